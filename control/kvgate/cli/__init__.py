@@ -1,0 +1,131 @@
+"""The ``kvgate`` command line.
+
+Every command turns the errors a user can cause (a bad policy, a busy port, a
+missing package) into one clear message and a non-zero exit code, never a
+traceback: 2 for bad input (policy, arguments), 1 for a runtime failure.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from ..policy import PolicyError, load_policy
+
+DEFAULT_POLICY = Path("policies") / "demo.yaml"
+
+
+def _fail_policy(exc: PolicyError) -> None:
+    click.echo(f"error: invalid policy {exc.source}:", err=True)
+    for issue in exc.issues:
+        click.echo(f"  {issue}", err=True)
+    sys.exit(2)
+
+
+class _LazyGroup(click.Group):
+    """Imports heavy subcommands (simulator, replay) only when they are invoked."""
+
+    LAZY = {
+        "sim": ("kvgate.sim.cli", "sim_command"),
+        "replay": ("kvgate.bench.cli", "replay_command"),
+    }
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
+
+    def get_command(self, ctx, name):
+        if name in self.LAZY:
+            import importlib
+
+            module, attr = self.LAZY[name]
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), envvar="KVGATE_RUN_DIR",
+              default=None, help="Where pid files, logs and the nginx prefix live [default: ./.kvgate/run].")
+@click.version_option(package_name="kvgate")
+@click.pass_context
+def main(ctx: click.Context, run_dir: Path | None) -> None:
+    """kvgate: a cache-affinity gateway for fleets of LLM inference servers."""
+    ctx.obj = {"run_dir": run_dir}
+
+
+def _stack(ctx: click.Context):
+    from ..stack import Stack
+
+    return Stack(ctx.obj.get("run_dir"))
+
+
+@main.command()
+@click.argument("policy", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_POLICY)
+def validate(policy: Path) -> None:
+    """Check a policy file; print each bad field's path and reason."""
+    try:
+        p = load_policy(policy)
+    except PolicyError as exc:
+        _fail_policy(exc)
+    nodes = sum(len(pool.nodes) for pool in p.pools)
+    click.echo(f"{policy}: ok ({len(p.pools)} pool(s), {nodes} node(s))")
+
+
+@main.command()
+@click.argument("policy", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_POLICY)
+@click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for every part to be healthy.")
+@click.pass_context
+def up(ctx: click.Context, policy: Path, timeout: float) -> None:
+    """Start Redis, the engine simulators and the nginx gateway of POLICY [default: policies/demo.yaml].
+
+    Safe to run twice: running parts are kept, a changed policy is reloaded.
+    """
+    from ..nginxctl import NginxError
+    from ..stack import StackError
+
+    stack = _stack(ctx)
+    try:
+        pol = stack.up(policy, timeout=timeout, echo=click.echo)
+    except PolicyError as exc:
+        _fail_policy(exc)
+    except (StackError, NginxError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    click.echo("")
+    click.echo(f"gateway   http://{pol.gateway.listen}/v1   (OpenAI-compatible; metrics at /metrics)")
+    for node in pol.nodes():
+        click.echo(f"node {node.id:<4} {node.url}{'  (simulated)' if node.simulate else ''}")
+    click.echo(f"redis     {pol.redis.url}")
+    click.echo(f"run dir   {stack.run_dir}  (logs in {stack.logs})")
+
+
+@main.command()
+@click.pass_context
+def down(ctx: click.Context) -> None:
+    """Stop everything `kvgate up` started in this run directory."""
+    _stack(ctx).down(echo=click.echo)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Say what runs and whether it is healthy. Exit 1 if anything is down."""
+    stack = _stack(ctx)
+    try:
+        parts = stack.status()
+    except PolicyError as exc:
+        _fail_policy(exc)
+    if not parts:
+        click.echo(f"nothing runs under {stack.run_dir} (start it with `kvgate up`)")
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps([p.__dict__ for p in parts], indent=2))
+    else:
+        for p in parts:
+            state = "healthy" if p.healthy else ("running, unhealthy" if p.pid else "down")
+            pid = str(p.pid) if p.pid else "-"
+            click.echo(f"{p.name:<10} {state:<20} pid {pid:<8} {p.detail}")
+    sys.exit(0 if all(p.healthy for p in parts) else 1)

@@ -1,0 +1,283 @@
+"""Run the gateway's private nginx: apply a policy as a transaction, start, reload, stop.
+
+A reload is a transaction (the ingress-nginx controller's shape): render, compare
+with what is installed, ``nginx -t`` on a staged copy, atomic rename into
+``conf/``, then start or ``nginx -s reload``. A config that ``nginx -t`` rejects
+never replaces the running one; the config that ran before the last change is
+kept as ``conf/*.last-good``.
+
+nginx runs as a daemon (the master re-parents to init), started with
+``nginx -p PREFIX -c conf/nginx.conf``; its pid is read from ``logs/nginx.pid``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .policy.model import Policy
+from .render import default_lua_dir, render
+
+CONF = "conf/nginx.conf"
+DATA = "conf/kvgate.json"
+_DIRS = ("conf", "logs", "tmp")
+
+
+class NginxError(RuntimeError):
+    """nginx refused a config or did not start/stop; the message carries nginx's own [emerg] lines."""
+
+
+def _emerg(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    picked = [ln for ln in lines if "[emerg]" in ln or "[alert]" in ln or "[error]" in ln]
+    return "\n".join(picked or lines[-5:])
+
+
+class Nginx:
+    """One private nginx instance under ``prefix``.
+
+    Args:
+        prefix: the ``-p`` directory (created if missing); holds ``conf/``, ``logs/``, ``tmp/``.
+        nginx_bin: the nginx executable.
+        lua_dir: the folder with ``kvgate/*.lua`` (default: the repo's ``lua/``).
+    """
+
+    def __init__(self, prefix: Path, nginx_bin: str = "nginx", lua_dir: Path | None = None):
+        self.prefix = Path(prefix).resolve()
+        self.nginx_bin = nginx_bin
+        self.lua_dir = Path(lua_dir).resolve() if lua_dir else default_lua_dir()
+        self.listen: str | None = None
+        self.digest: str | None = None
+
+    # ----------------------------------------------------------------- helpers
+    def _dirs(self) -> None:
+        for d in _DIRS:
+            (self.prefix / d).mkdir(parents=True, exist_ok=True)
+
+    def _run(self, *args: str, conf: str = CONF) -> subprocess.CompletedProcess:
+        cmd = [self.nginx_bin, "-p", str(self.prefix) + "/", "-c", conf, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    def _installed(self) -> dict[str, str | None]:
+        out: dict[str, str | None] = {}
+        for rel in (CONF, DATA):
+            p = self.prefix / rel
+            out[rel] = p.read_text() if p.exists() else None
+        return out
+
+    def error_log_tail(self, lines: int = 20) -> str:
+        p = self.prefix / "logs/error.log"
+        if not p.exists():
+            return ""
+        return "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
+
+    # ----------------------------------------------------------------- public
+    def test(self, files: dict[str, str]) -> None:
+        """``nginx -t`` on ``files`` staged in a temp conf dir; raises :class:`NginxError`."""
+        self._dirs()
+        stage = Path(tempfile.mkdtemp(prefix="conf.staging-", dir=self.prefix))
+        try:
+            self._write(stage, files)
+            # Note: nginx -t does not run init_by_lua; the data config is checked
+            # here for JSON syntax and by the health digest after start/reload.
+            if DATA in files:
+                try:
+                    json.loads(files[DATA])
+                except ValueError as exc:
+                    raise NginxError(f"kvgate: {DATA} is not valid JSON: {exc}") from None
+            res = self._run("-t", "-q", conf=str(stage / "nginx.conf"))
+            if res.returncode != 0:
+                raise NginxError("nginx -t rejected the config:\n" + _emerg(res.stderr + res.stdout))
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
+    @staticmethod
+    def _write(conf_dir: Path, files: dict[str, str]) -> None:
+        for rel, text in files.items():
+            name = rel.removeprefix("conf/")
+            (conf_dir / name).write_text(text)
+
+    def apply(self, policy: Policy) -> str:
+        """Make nginx run ``policy``.
+
+        Returns:
+            ``"unchanged"`` (already running this exact config), ``"started"`` or ``"reloaded"``.
+
+        Raises:
+            NginxError: ``nginx -t`` refused the config (the running one is untouched),
+                or nginx failed to start/reload.
+        """
+        files = render(policy, self.lua_dir)
+        self.listen = policy.gateway.listen
+        self.digest = json.loads(files[DATA])["digest"]
+        running = self.pid() is not None
+        installed = self._installed()
+        if running and all(installed.get(rel) == text for rel, text in files.items()):
+            return "unchanged"
+        self.test(files)
+        conf_dir = self.prefix / "conf"
+        if running:
+            for rel, old in installed.items():
+                if old is not None:
+                    (self.prefix / (rel + ".last-good")).write_text(old)
+        # stage next to the target so os.replace is an atomic rename on one file system
+        for rel, text in files.items():
+            target = self.prefix / rel
+            tmp = conf_dir / (target.name + ".new")
+            tmp.write_text(text)
+            os.replace(tmp, target)
+        if running:
+            try:
+                self.reload()
+            except NginxError:
+                self._rollback(installed)
+                raise
+            return "reloaded"
+        self.start()
+        return "started"
+
+    def _rollback(self, installed: dict[str, str | None]) -> None:
+        """Put the files that were running back (the master kept running them)."""
+        for rel, old in installed.items():
+            if old is not None:
+                tmp = self.prefix / (rel + ".new")
+                tmp.write_text(old)
+                os.replace(tmp, self.prefix / rel)
+        self.digest = None
+        res = self._run("-s", "reload")
+        if res.returncode != 0:
+            raise NginxError("nginx reload of the last good config failed:\n" + _emerg(res.stderr + res.stdout))
+
+    def start(self) -> None:
+        """Start the daemon with ``conf/nginx.conf``; returns once the master wrote its pid."""
+        self._dirs()
+        if self.pid() is not None:
+            return
+        res = self._run()
+        if res.returncode != 0:
+            raise NginxError("nginx failed to start:\n" + _emerg(res.stderr + res.stdout + "\n" + self.error_log_tail()))
+        deadline = time.monotonic() + 10
+        while self.pid() is None:
+            if time.monotonic() > deadline:
+                raise NginxError("nginx did not write logs/nginx.pid:\n" + _emerg(self.error_log_tail()))
+            time.sleep(0.02)
+
+    def reload(self) -> None:
+        """``nginx -s reload``; when a digest is known, waits until the health endpoint reports it."""
+        if self.pid() is None:
+            raise NginxError("nginx is not running")
+        res = self._run("-s", "reload")
+        if res.returncode != 0:
+            raise NginxError("nginx reload failed:\n" + _emerg(res.stderr + res.stdout))
+        if self.listen and self.digest:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if self._health_digest(self.listen) == self.digest:
+                    return
+                time.sleep(0.05)
+            raise NginxError("nginx did not pick up the new config:\n" + _emerg(self.error_log_tail()))
+
+    def stop(self, timeout: float = 10) -> None:
+        """Graceful quit (in-flight streams may finish) for up to ``timeout`` s, then TERM, then KILL."""
+        pid = self.pid()
+        if pid is None:
+            return
+        workers = _children(pid)
+        for sig, wait in ((signal.SIGQUIT, timeout), (signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+            if sig == signal.SIGKILL:
+                for w in workers:
+                    try:
+                        os.kill(w, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                if not _alive(pid) and not any(_alive(w) for w in workers):
+                    self._clean_pid()
+                    return
+                time.sleep(0.05)
+        self._clean_pid()
+
+    def _clean_pid(self) -> None:
+        try:
+            (self.prefix / "logs/nginx.pid").unlink()
+        except FileNotFoundError:
+            pass
+
+    def pid(self) -> int | None:
+        """The master's pid from ``logs/nginx.pid`` if that process is alive (a stale file is removed)."""
+        path = self.prefix / "logs/nginx.pid"
+        try:
+            pid = int(path.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        if _alive(pid) and "nginx" in _cmdline(pid):
+            return pid
+        self._clean_pid()
+        return None
+
+    def _health_digest(self, listen: str) -> str | None:
+        try:
+            with urllib.request.urlopen(f"http://{listen}/kvgate/health", timeout=1) as resp:
+                return json.loads(resp.read()).get("digest")
+        except (OSError, ValueError):
+            return None
+
+    def wait_ready(self, listen: str, timeout: float = 10) -> None:
+        """Wait until ``GET http://<listen>/kvgate/health`` answers 200; raises :class:`NginxError`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._health_digest(listen) is not None:
+                return
+            if self.pid() is None and time.monotonic() > deadline - timeout + 1:
+                break
+            time.sleep(0.05)
+        raise NginxError(f"gateway on {listen} is not answering:\n" + _emerg(self.error_log_tail()))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "nginx"  # no /proc: trust the pid file
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir() if Path("/proc").exists() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            out.append(int(entry.name))
+    return out

@@ -1,0 +1,17 @@
+"""Routing policy: YAML → validated model."""
+
+from .loader import PolicyError, PolicyIssue, load_policy, parse_policy, parse_policy_text
+from .model import (
+    CacheConfig,
+    GatewayConfig,
+    NodeConfig,
+    Policy,
+    PoolConfig,
+    RedisConfig,
+    SimulatorConfig,
+)
+
+__all__ = [
+    "CacheConfig", "GatewayConfig", "NodeConfig", "Policy", "PolicyError", "PolicyIssue",
+    "PoolConfig", "RedisConfig", "SimulatorConfig", "load_policy", "parse_policy", "parse_policy_text",
+]

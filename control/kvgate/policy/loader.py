@@ -1,0 +1,125 @@
+"""Load a policy YAML file into :class:`~kvgate.policy.model.Policy`.
+
+Errors are :class:`PolicyError` carrying the YAML path of the bad field
+(``pools[0].nodes[1].url``) and a one-line reason, so the CLI can print them
+without a traceback and the control plane can return them to the operator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from .model import Policy
+
+
+@dataclass
+class PolicyIssue:
+    """One problem found in a policy: ``path`` like ``pools[0].balancer``, ``reason`` one line."""
+
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}" if self.path else self.reason
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be used. ``issues`` lists every problem found (at least one)."""
+
+    def __init__(self, source: str, issues: list[PolicyIssue]):
+        self.source = source
+        self.issues = issues
+        super().__init__(f"{source}: " + "; ".join(str(i) for i in issues))
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _reason(err: dict[str, Any]) -> str:
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        return "unknown field (check the spelling; see docs/policy.md)"
+    if kind == "missing":
+        return "required field is missing"
+    msg = str(err.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    return msg.splitlines()[0]
+
+
+def parse_policy(data: Any, source: str = "<policy>") -> Policy:
+    """Validate already-parsed YAML/JSON data.
+
+    Raises:
+        PolicyError: with one issue per bad field, paths in YAML notation.
+    """
+    if not isinstance(data, dict):
+        raise PolicyError(source, [PolicyIssue("", "the policy must be a YAML mapping")])
+    try:
+        policy = Policy.model_validate(data)
+    except ValidationError as exc:
+        issues = []
+        for err in exc.errors():
+            loc = tuple(err.get("loc", ()))
+            issues.append(PolicyIssue(_path(loc), _reason(err)))
+        raise PolicyError(source, issues) from None
+    issues = cross_check(policy)
+    if issues:
+        raise PolicyError(source, issues)
+    return policy
+
+
+def cross_check(policy: Policy) -> list[PolicyIssue]:
+    """Rules that span fields: unique pool names and node ids, each model in one pool."""
+    issues: list[PolicyIssue] = []
+    pools: dict[str, int] = {}
+    models: dict[str, str] = {}
+    node_ids: dict[str, str] = {}
+    for i, pool in enumerate(policy.pools):
+        if pool.name in pools:
+            issues.append(PolicyIssue(f"pools[{i}].name", f"pool name {pool.name!r} is already used by pools[{pools[pool.name]}]"))
+        pools.setdefault(pool.name, i)
+        for j, model in enumerate(pool.models):
+            if model in models:
+                issues.append(PolicyIssue(f"pools[{i}].models[{j}]",
+                                          f"model {model!r} is already served by pool {models[model]!r}"))
+            models.setdefault(model, pool.name)
+        for j, node in enumerate(pool.nodes):
+            here = f"pools[{i}].nodes[{j}]"
+            if node.id in node_ids:
+                issues.append(PolicyIssue(f"{here}.id", f"node id {node.id!r} is already used by {node_ids[node.id]}"))
+            node_ids.setdefault(node.id, here)
+    return issues
+
+
+def parse_policy_text(text: str, source: str = "<policy>") -> Policy:
+    """Parse and validate YAML text. Raises :class:`PolicyError`."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise PolicyError(source, [PolicyIssue(where, f"YAML syntax error: {problem}")]) from None
+    return parse_policy(data, source)
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read and validate a policy file. Raises :class:`PolicyError` (also for an unreadable file)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError(str(p), [PolicyIssue("", f"cannot read the file: {exc.strerror}")]) from None
+    return parse_policy_text(text, str(p))

@@ -1,0 +1,156 @@
+"""Render a :class:`~kvgate.policy.model.Policy` into the gateway's nginx files.
+
+Two files come out, both relative to the nginx prefix:
+
+``conf/nginx.conf``
+    from the Jinja2 templates in the repo's ``nginx/`` folder: absolute module
+    paths (``/usr/lib/nginx/modules/...``, a ``-p`` prefix would otherwise be
+    prepended), pid and error log under ``logs/``, every temp path under ``tmp/``,
+    ``lua_package_path "<lua_dir>/?.lua;;"``, one ``upstream pool_<name>`` per pool.
+``conf/kvgate.json``
+    the data-path config the Lua modules read once in ``init_by_lua`` (see
+    ``lua/kvgate/config.lua``): pools, model → pool, node address → node id, cache,
+    Redis, limits, and a ``digest`` of both files that ``GET /kvgate/health``
+    reports, so a caller can tell when a reload has taken effect.
+
+Rendering is pure: the same policy and ``lua_dir`` always give the same bytes,
+which is how :meth:`kvgate.nginxctl.Nginx.apply` detects "unchanged".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from .policy.model import Policy
+
+TENANT = "default"
+"""Tenant of every request until authentication names one (part of every cache key)."""
+
+_REPO = Path(__file__).resolve().parents[2]
+TEMPLATE_DIR = _REPO / "nginx"
+
+
+def default_lua_dir() -> Path:
+    """The repo's ``lua/`` folder (``control/kvgate/render.py`` → ``../../lua``)."""
+    return _REPO / "lua"
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def _seconds(value: float) -> str:
+    """nginx time: whole milliseconds (``1.5`` → ``1500ms``)."""
+    return f"{max(1, round(value * 1000))}ms"
+
+
+def _addresses(host: str, port: int) -> list[str]:
+    """``HOST:PORT`` plus the IPv4 forms nginx will report in ``$upstream_addr``."""
+    out = [f"{host}:{port}"]
+    try:
+        ipaddress.ip_address(host)
+        return out
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return out
+    for info in infos:
+        addr = f"{info[4][0]}:{port}"
+        if addr not in out:
+            out.append(addr)
+    return out
+
+
+def data_config(policy: Policy) -> dict[str, Any]:
+    """The ``kvgate.json`` content (without its ``digest``) as a dict."""
+    pools: dict[str, Any] = {}
+    models: dict[str, str] = {}
+    nodes_by_addr: dict[str, str] = {}
+    for pool in policy.pools:
+        pools[pool.name] = {
+            "name": pool.name,
+            "upstream": f"pool_{pool.name}",
+            "balancer": pool.balancer,
+            "affinity": list(pool.affinity),
+            "session_header": pool.session_header,
+            # nginx variable holding the header (first value if repeated)
+            "session_var": "http_" + pool.session_header.lower().replace("-", "_"),
+            "prefix_chars": pool.prefix_chars,
+            "nodes": [{"id": n.id, "address": n.address, "weight": n.weight} for n in pool.nodes],
+        }
+        for model in pool.models:
+            models[model] = pool.name
+        for node in pool.nodes:
+            for addr in _addresses(node.host, node.port):
+                nodes_by_addr[addr] = node.id
+    gw = policy.gateway
+    return {
+        "tenant": TENANT,
+        "debug_headers": gw.debug_headers,
+        "fallback_route_key": gw.fallback_route_key,
+        "max_body_bytes": gw.max_body_bytes,
+        "models": models,
+        "model_list": sorted(models),
+        "pools": pools,
+        "pool_names": [p.name for p in policy.pools],
+        "upstream_pools": {f"pool_{p.name}": p.name for p in policy.pools},
+        "nodes_by_addr": nodes_by_addr,
+        "cache": {
+            "enabled": policy.cache.enabled,
+            "ttl_s": policy.cache.ttl_s,
+            "max_entry_bytes": policy.cache.max_entry_bytes,
+            "namespace_version": policy.cache.namespace_version,
+        },
+        "redis": {
+            "host": policy.redis.host,
+            "port": policy.redis.port,
+            "db": policy.redis.db,
+            "timeout_ms": policy.redis.timeout_ms,
+            "pool_size": policy.redis.pool_size,
+        },
+    }
+
+
+def render(policy: Policy, lua_dir: Path) -> dict[str, str]:
+    """Render the gateway config for ``policy``.
+
+    Args:
+        policy: a validated policy.
+        lua_dir: folder holding ``kvgate/*.lua`` (made absolute).
+
+    Returns:
+        ``{"conf/nginx.conf": text, "conf/kvgate.json": text}``, paths relative to
+        the nginx prefix.
+    """
+    lua_dir = Path(lua_dir).resolve()
+    gw = policy.gateway
+    conf = _env().get_template("nginx.conf.j2").render(
+        gw=gw,
+        pools=policy.pools,
+        lua_dir=str(lua_dir),
+        connect_timeout=_seconds(gw.connect_timeout_s),
+        read_timeout=_seconds(gw.read_timeout_s),
+    )
+    data = data_config(policy)
+    body = json.dumps(data, sort_keys=True, indent=2)
+    data["digest"] = hashlib.sha256((conf + "\0" + body).encode()).hexdigest()[:16]
+    return {
+        "conf/nginx.conf": conf,
+        "conf/kvgate.json": json.dumps(data, sort_keys=True, indent=2) + "\n",
+    }

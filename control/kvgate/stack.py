@@ -1,0 +1,303 @@
+"""Run a whole kvgate stack as local processes: a private Redis, the engine simulators, nginx.
+
+Everything lives under one *run directory* (default ``.kvgate/run`` in the current
+directory, or ``$KVGATE_RUN_DIR``)::
+
+    run/
+      state.json          which policy file the stack runs (so `down`/`status` need no argument)
+      pids/<name>.pid     one per process we started (redis, sim-<node>); nginx keeps its own
+      logs/<name>.log     stdout/stderr of each process
+      redis/              the private Redis's working directory (no persistence)
+      nginx/              the private nginx prefix: conf/, logs/, temp/
+
+``up`` is idempotent: a process that is already running and healthy is left alone,
+stale pid files (process gone, or the pid reused by another program) are removed,
+and a changed policy is applied to nginx with a tested reload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import requests
+
+from .nginxctl import Nginx, NginxError
+from .policy import NodeConfig, Policy, load_policy
+
+DEFAULT_RUN_DIR = Path(".kvgate") / "run"
+
+
+class StackError(RuntimeError):
+    """A part of the stack could not be started or is unhealthy; the message says which and why."""
+
+
+def default_run_dir() -> Path:
+    """``$KVGATE_RUN_DIR`` if set, else ``./.kvgate/run``."""
+    return Path(os.environ.get("KVGATE_RUN_DIR", DEFAULT_RUN_DIR)).resolve()
+
+
+def _port_open(host: str, port: int, timeout: float = 0.3) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Component:
+    """One line of ``kvgate status``."""
+
+    name: str
+    pid: int | None
+    healthy: bool
+    detail: str
+
+
+class Stack:
+    """The local processes of one policy under one run directory.
+
+    Args:
+        run_dir: where pid files, logs, the Redis dir and the nginx prefix live.
+    """
+
+    def __init__(self, run_dir: Path | None = None):
+        self.run_dir = Path(run_dir or default_run_dir()).resolve()
+        self.pids = self.run_dir / "pids"
+        self.logs = self.run_dir / "logs"
+        self.nginx = Nginx(self.run_dir / "nginx")
+
+    # ---------------------------------------------------------------- state
+    @property
+    def state_file(self) -> Path:
+        return self.run_dir / "state.json"
+
+    def policy_path(self) -> Path | None:
+        """The policy file the running stack was started with, if any."""
+        try:
+            return Path(json.loads(self.state_file.read_text())["policy"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def load_running_policy(self) -> Policy | None:
+        path = self.policy_path()
+        return load_policy(path) if path else None
+
+    # ----------------------------------------------------------- pid files
+    def _pid_file(self, name: str) -> Path:
+        return self.pids / f"{name}.pid"
+
+    def _live_pid(self, name: str, marker: str) -> int | None:
+        """The pid recorded for ``name`` if that process still runs and its command line
+        contains ``marker``; a stale pid file is removed."""
+        f = self._pid_file(name)
+        try:
+            pid = int(f.read_text().strip())
+        except (OSError, ValueError):
+            f.unlink(missing_ok=True)
+            return None
+        try:
+            proc = psutil.Process(pid)
+            alive = proc.status() != psutil.STATUS_ZOMBIE and marker in " ".join(proc.cmdline())
+        except psutil.Error:
+            alive = False
+        if not alive:
+            f.unlink(missing_ok=True)
+            return None
+        return pid
+
+    # --------------------------------------------------------------- redis
+    def _redis_marker(self, policy: Policy) -> str:
+        return f":{policy.redis.port}"
+
+    def start_redis(self, policy: Policy) -> str:
+        """Start the private redis-server (when ``redis.managed``). Returns what happened."""
+        if not policy.redis.managed:
+            return "external"
+        if self._live_pid("redis", self._redis_marker(policy)):
+            return "running"
+        host, port = policy.redis.host, policy.redis.port
+        if _port_open(host, port):
+            raise StackError(f"redis: port {host}:{port} is already in use by another program "
+                             f"(set redis.managed: false to use an existing Redis)")
+        binary = shutil.which("redis-server")
+        if not binary:
+            raise StackError("redis: redis-server is not installed (run `make setup`)")
+        rdir = self.run_dir / "redis"
+        rdir.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no",
+             "--daemonize", "yes", "--pidfile", str(self._pid_file("redis")),
+             "--logfile", str(self.logs / "redis.log"), "--dir", str(rdir)],
+            check=True, stdout=subprocess.DEVNULL,
+        )
+        # --daemonize returns before the daemon wrote its pid file; wait so `down` can find it.
+        deadline = time.monotonic() + 5
+        pid_file = self._pid_file("redis")
+        while time.monotonic() < deadline:
+            try:
+                if pid_file.read_text().endswith("\n"):  # redis writes "<pid>\n" in one go
+                    break
+            except OSError:
+                pass
+            time.sleep(0.05)
+        return "started"
+
+    def redis_healthy(self, policy: Policy) -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis(host=policy.redis.host, port=policy.redis.port,
+                                    socket_timeout=1, socket_connect_timeout=1).ping())
+        except redis.RedisError:
+            return False
+
+    # ----------------------------------------------------------- simulators
+    def _sim_marker(self, node: NodeConfig) -> str:
+        return f"--node-id {node.id} "
+
+    def start_sim(self, policy: Policy, node: NodeConfig) -> str:
+        name = f"sim-{node.id}"
+        if self._live_pid(name, self._sim_marker(node)):
+            return "running"
+        if _port_open(node.host, node.port):
+            raise StackError(f"{name}: port {node.address} is already in use by another program")
+        sim = policy.simulator
+        cmd = [sys.executable, "-m", "kvgate", "sim", "--node-id", node.id, "--host", node.host,
+               "--port", str(node.port), "--model", policy.pool_of_node(node.id).models[0],
+               "--time-scale", str(sim.time_scale), "--prefill-s-per-token", str(sim.prefill_s_per_token),
+               "--decode-s-per-token", str(sim.decode_s_per_token), "--max-num-seqs", str(sim.max_num_seqs),
+               "--block-size", str(sim.block_size), "--num-gpu-blocks", str(sim.num_gpu_blocks),
+               "--stream-interval", str(sim.stream_interval)]
+        log = open(self.logs / f"{name}.log", "ab")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, close_fds=True)
+        log.close()
+        self._pid_file(name).write_text(f"{proc.pid}\n")
+        return "started"
+
+    @staticmethod
+    def http_healthy(url: str) -> bool:
+        try:
+            return requests.get(url, timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+    # ----------------------------------------------------------------- up
+    def up(self, policy_path: Path, timeout: float = 30.0, echo=print) -> Policy:
+        """Start (or reconcile) every component of the policy and wait until all are healthy.
+
+        Raises:
+            PolicyError: the policy file is invalid.
+            StackError: a component did not start or did not become healthy within ``timeout`` s.
+            NginxError: the rendered nginx config was rejected by ``nginx -t``.
+        """
+        policy = load_policy(policy_path)
+        for d in (self.pids, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        self.state_file.write_text(json.dumps({"policy": str(Path(policy_path).resolve())}) + "\n")
+
+        started: list[str] = []
+        try:
+            result = self.start_redis(policy)
+            echo(f"redis     {result}")
+            if result == "started":
+                started.append("redis")
+            sims = [n for n in policy.nodes() if n.simulate]
+            for node in sims:
+                result = self.start_sim(policy, node)
+                echo(f"sim-{node.id:<5} {result}")
+                if result == "started":
+                    started.append(f"sim-{node.id}")
+            wanted = {f"sim-{n.id}" for n in sims}
+            for f in sorted(self.pids.glob("sim-*.pid")):
+                if f.stem not in wanted and self._stop_pid(f.stem, "kvgate"):
+                    echo(f"{f.stem:<9} stopped (no longer in the policy)")
+            self._wait_healthy(policy, sims, timeout)
+            echo(f"nginx     {self.nginx.apply(policy)}")
+            self.nginx.wait_ready(policy.gateway.listen, timeout=timeout)
+        except BaseException:
+            # Leave nothing half-started behind: stop what this call started (and only that).
+            for name in reversed(started):
+                self._stop_pid(name, "redis-server" if name == "redis" else "kvgate")
+            raise
+        return policy
+
+    def _wait_healthy(self, policy: Policy, sims: list[NodeConfig], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = {f"sim-{n.id}": f"{n.url}/health" for n in sims}
+        while True:
+            pending = {k: u for k, u in pending.items() if not self.http_healthy(u)}
+            redis_ok = self.redis_healthy(policy)
+            if not pending and redis_ok:
+                return
+            for name in pending:
+                if not self._live_pid(name, "kvgate"):
+                    raise StackError(f"{name} exited at start; see {self.logs / (name + '.log')}")
+            if time.monotonic() > deadline:
+                what = ", ".join(sorted(pending)) or f"redis at {policy.redis.url}"
+                raise StackError(f"not healthy after {timeout:.0f}s: {what} (logs in {self.logs})")
+            time.sleep(0.2)
+
+    # --------------------------------------------------------------- down
+    def _stop_pid(self, name: str, marker: str, timeout: float = 10.0) -> bool:
+        pid = self._live_pid(name, marker)
+        if not pid:
+            return False
+        try:
+            proc = psutil.Process(pid)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except psutil.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        except psutil.NoSuchProcess:
+            pass
+        self._pid_file(name).unlink(missing_ok=True)
+        return True
+
+    def down(self, echo=print) -> None:
+        """Stop nginx, the simulators and Redis of this run directory (whatever is running)."""
+        if self.nginx.pid():
+            self.nginx.stop()
+            echo("nginx     stopped")
+        if self.pids.is_dir():
+            for f in sorted(self.pids.glob("*.pid")):
+                name = f.stem
+                marker = "redis-server" if name == "redis" else "kvgate"
+                if self._stop_pid(name, marker):
+                    echo(f"{name:<9} stopped")
+                else:
+                    f.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------- status
+    def status(self) -> list[Component]:
+        """What runs under this run directory and whether each part answers its health check."""
+        policy = self.load_running_policy()
+        out: list[Component] = []
+        if policy is None:
+            return out
+        if policy.redis.managed:
+            pid = self._live_pid("redis", "redis-server")
+            out.append(Component("redis", pid, self.redis_healthy(policy), policy.redis.url))
+        else:
+            out.append(Component("redis", None, self.redis_healthy(policy), f"{policy.redis.url} (external)"))
+        for node in policy.nodes():
+            pid = self._live_pid(f"sim-{node.id}", "kvgate") if node.simulate else None
+            kind = "sim" if node.simulate else "node"
+            out.append(Component(f"{kind}-{node.id}", pid, self.http_healthy(f"{node.url}/health"), node.url))
+        listen = policy.gateway.listen
+        out.append(Component("nginx", self.nginx.pid(),
+                             self.http_healthy(f"http://{listen}/kvgate/health"), f"http://{listen}"))
+        return out

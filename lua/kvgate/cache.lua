@@ -1,0 +1,196 @@
+-- The exact response cache: lookup in access, capture in body_filter, write from
+-- a timer started in the log phase (cosockets are not allowed in log/filters).
+--
+-- Failure policy: Redis errors fail open — the request is proxied as BYPASS, the
+-- error is counted in kvgate_cache_errors_total{op} and logged at most once per
+-- WARN_INTERVAL_S across workers. After an error, Redis is skipped for
+-- BREAKER_S so an unreachable Redis costs one timeout per second, not one per request.
+-- Entries hold the final completion JSON (rebuilt from the chunks for streams),
+-- so a hit is replayed as SSE to a streaming client and as JSON otherwise.
+local cjson = require "cjson.safe"
+local cache_key = require "kvgate.cache_key"
+local sse = require "kvgate.sse"
+local kredis = require "kvgate.redis"
+local metrics = require "kvgate.metrics"
+
+local ngx = ngx
+local type = type
+local concat = table.concat
+local find = string.find
+local tostring = tostring
+
+local _M = {}
+
+local STATE = "kvgate_state"
+local WARN_INTERVAL_S = 10
+local BREAKER_S = 1
+
+local function cache_error(op, err)
+    metrics.incr("kvgate_cache_errors_total", { op = op })
+    local state = ngx.shared[STATE]
+    if op == "get" or op == "set" then
+        if state then
+            state:set("redis_down", true, BREAKER_S)
+        end
+    end
+    if state and state:add("warned:" .. op, true, WARN_INTERVAL_S) then
+        ngx.log(ngx.WARN, "kvgate cache ", op, " failed (serving without the cache; next warning in ",
+            WARN_INTERVAL_S, "s): ", err)
+    end
+end
+
+--- lookup(cfg, ctx, req, endpoint, cache_control) -> cached completion JSON | nil
+-- Sets ctx.cache (HIT|MISS|BYPASS), ctx.cache_reason and, on a miss, ctx.cache_key.
+function _M.lookup(cfg, ctx, req, endpoint, cache_control)
+    ctx.cache = "BYPASS"
+    local ccfg = cfg.cache
+    if not ccfg.enabled then
+        ctx.cache_reason = "disabled"
+        return nil
+    end
+    local ok, why = cache_key.cacheable(req, endpoint, cache_control)
+    if not ok then
+        ctx.cache_reason = why
+        return nil
+    end
+    local state = ngx.shared[STATE]
+    if state and state:get("redis_down") then
+        ctx.cache_reason = "redis-down"
+        metrics.incr("kvgate_cache_errors_total", { op = "skipped" })
+        return nil
+    end
+    local key, kerr = cache_key.key(req, endpoint, cfg.tenant, ccfg.namespace_version)
+    if not key then
+        cache_error("key", kerr)
+        ctx.cache_reason = "key-error"
+        return nil
+    end
+    local v, err = kredis.get(cfg.redis, key)
+    if v == nil then
+        cache_error("get", err)
+        ctx.cache_reason = "redis-error"
+        return nil
+    end
+    if v then
+        ctx.cache = "HIT"
+        return v
+    end
+    ctx.cache = "MISS"
+    ctx.cache_key = key
+    return nil
+end
+
+--- serve(ctx, entry, req, endpoint) -> sends the cached answer and ends the request
+function _M.serve(ctx, entry, req, endpoint)
+    if req.stream == true then
+        local obj = cjson.decode(entry)
+        if type(obj) ~= "table" then
+            cache_error("decode", "cached entry is not JSON")
+            ctx.cache = "BYPASS"
+            ctx.cache_reason = "bad-entry"
+            return false
+        end
+        local so = req.stream_options
+        local include_usage = type(so) == "table" and so.include_usage == true
+        ngx.status = 200
+        ngx.header["Content-Type"] = "text/event-stream"
+        ngx.header["Cache-Control"] = "no-cache"
+        ngx.print(sse.from_completion(obj, endpoint, include_usage))
+    else
+        ngx.status = 200
+        ngx.header["Content-Type"] = "application/json"
+        ngx.print(entry)
+    end
+    ngx.exit(200)
+    return true
+end
+
+--- header_filter(ctx): start capturing a 200 response to a cache miss
+function _M.header_filter(ctx)
+    if ctx.cache ~= "MISS" or ngx.status ~= 200 then
+        return
+    end
+    local ct = ngx.header["Content-Type"] or ""
+    if type(ct) == "table" then
+        ct = ct[1] or ""
+    end
+    ctx.capture = true
+    ctx.sse = find(ct, "text/event-stream", 1, true) ~= nil
+    ctx.buf = {}
+    ctx.size = 0
+end
+
+--- body_filter(ctx, max_bytes): keep a copy of the body; give up past max_bytes
+function _M.body_filter(ctx, max_bytes)
+    if not ctx.capture then
+        return
+    end
+    local chunk = ngx.arg[1]
+    if chunk and chunk ~= "" then
+        local size = ctx.size + #chunk
+        if size > max_bytes then
+            ctx.capture = false
+            ctx.buf = nil
+            ctx.cache_reason = "too-large"
+            return
+        end
+        ctx.size = size
+        local buf = ctx.buf
+        buf[#buf + 1] = chunk
+    end
+    if ngx.arg[2] then
+        ctx.eof = true
+    end
+end
+
+local function write(premature, rcfg, key, value, ttl)
+    if premature then
+        return
+    end
+    local ok, err = kredis.set(rcfg, key, value, ttl)
+    if not ok then
+        cache_error("set", err)
+        return
+    end
+    metrics.incr("kvgate_cache_stores_total", {})
+end
+
+local function last_status(s)
+    return s and s:match("(%d+)%s*$")
+end
+
+--- log(cfg, ctx, endpoint): store a complete 200 response (never a partial one)
+function _M.log(cfg, ctx)
+    -- A client abort still runs the log phase with status 200 and a partial buffer:
+    -- only a body that reached eof, from a node that answered 200, is stored.
+    if not (ctx.capture and ctx.eof and ngx.status == 200) then
+        return
+    end
+    if last_status(ngx.var.upstream_status) ~= "200" then
+        return
+    end
+    local body = concat(ctx.buf)
+    local value
+    if ctx.sse then
+        local obj = sse.to_completion(body, ctx.endpoint)
+        if not obj then
+            return
+        end
+        value = cjson.encode(obj)
+    else
+        local obj = cjson.decode(body)
+        if type(obj) ~= "table" or type(obj.choices) ~= "table" or obj.error then
+            return
+        end
+        value = body
+    end
+    if not value or #value > cfg.cache.max_entry_bytes then
+        return
+    end
+    local ok, err = ngx.timer.at(0, write, cfg.redis, ctx.cache_key, value, cfg.cache.ttl_s)
+    if not ok then
+        cache_error("timer", err)
+    end
+end
+
+return _M

@@ -1,0 +1,93 @@
+-- Response-cache key and cacheability. PURE.
+--
+-- key = "kvgate:resp:v<N>:<tenant>:" .. sha256(canonical JSON of
+--        {endpoint, tenant, v, req = request minus EXCLUDED fields})
+-- Every other top-level field is part of the key, as sent: the model, the whole
+-- messages/prompt (system prompt included), tools, and every sampling/output
+-- parameter. A parameter that is absent is not the same as one sent with its
+-- default value (the engine's default may change). Keys are sorted recursively,
+-- so reordering JSON keys gives the same key.
+local json = require "kvgate.json"
+local hash = require "kvgate.hash"
+local prompt = require "kvgate.prompt"
+
+local type = type
+local pairs = pairs
+local gsub = string.gsub
+local format = string.format
+local byte = string.byte
+local lower = string.lower
+local find = string.find
+
+local _M = {}
+
+-- Fields that do not change the answer: transport (`stream`, `stream_options`:
+-- a hit is replayed in either form) and the end-user id (`user`, which OpenAI
+-- uses for abuse monitoring; tenants scope the cache instead).
+_M.EXCLUDED = { stream = true, stream_options = true, user = true }
+
+local function escape_scope(s)
+    return (gsub(s, "[^%w_.-]", function(c)
+        return format("%%%02X", byte(c))
+    end))
+end
+_M.escape_scope = escape_scope
+
+--- material(req, endpoint, tenant, version) -> canonical string that is hashed
+function _M.material(req, endpoint, tenant, version)
+    local filtered = {}
+    for k, v in pairs(req) do
+        if not _M.EXCLUDED[k] then
+            filtered[k] = v
+        end
+    end
+    return json.canonical({ endpoint = endpoint, tenant = tenant, v = version, req = filtered })
+end
+
+--- key(req, endpoint, tenant, version) -> "kvgate:resp:v<N>:<tenant>:<sha256hex>" or nil, err
+function _M.key(req, endpoint, tenant, version)
+    local h, err = hash.sha256_hex(_M.material(req, endpoint, tenant, version))
+    if not h then
+        return nil, err
+    end
+    return "kvgate:resp:v" .. version .. ":" .. escape_scope(tenant) .. ":" .. h
+end
+
+local function no_store(cache_control)
+    if type(cache_control) == "table" then
+        for i = 1, #cache_control do
+            if no_store(cache_control[i]) then
+                return true
+            end
+        end
+        return false
+    end
+    return type(cache_control) == "string" and find(lower(cache_control), "no-store", 1, true) ~= nil
+end
+
+--- cacheable(req, endpoint, cache_control) -> true | false, reason
+-- Deterministic requests only: temperature == 0 or a seed; text only; no
+-- `Cache-Control: no-store`.
+function _M.cacheable(req, endpoint, cache_control)
+    if no_store(cache_control) then
+        return false, "no-store"
+    end
+    local seeded = type(req.seed) == "number"
+    if not (req.temperature == 0 or seeded) then
+        return false, "not-deterministic"
+    end
+    if endpoint == "chat" and type(req.messages) == "table" then
+        for i = 1, #req.messages do
+            local m = req.messages[i]
+            if type(m) == "table" then
+                local _, non_text = prompt.content_text(m.content)
+                if non_text then
+                    return false, "non-text"
+                end
+            end
+        end
+    end
+    return true
+end
+
+return _M

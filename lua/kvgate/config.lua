@@ -1,0 +1,45 @@
+-- The data-path config (conf/kvgate.json, rendered by kvgate.render). Read once in
+-- init_by_lua, in the master (root), so workers (nobody) inherit it by fork and
+-- never touch the file system.
+local cjson = require "cjson.safe"
+
+local io_open = io.open
+local type = type
+
+local _M = {}
+
+local current
+
+--- path() -> <prefix>/conf/kvgate.json
+-- Note: `nginx -t` does not run init_by_lua, so a bad file shows up at start or
+-- reload; kvgate.nginxctl rolls back to the last good files when that happens.
+function _M.path()
+    return ngx.config.prefix() .. "conf/kvgate.json"
+end
+
+--- load(path) -> cfg | nil, err
+function _M.load(path)
+    path = path or _M.path()
+    local f, err = io_open(path, "rb")
+    if not f then
+        return nil, "cannot open " .. path .. ": " .. (err or "?")
+    end
+    local text = f:read("*a")
+    f:close()
+    local cfg, derr = cjson.decode(text)
+    if type(cfg) ~= "table" then
+        return nil, "bad JSON in " .. path .. ": " .. (derr or "not an object")
+    end
+    if type(cfg.pools) ~= "table" or type(cfg.models) ~= "table" then
+        return nil, path .. ": missing pools/models"
+    end
+    current = cfg
+    return cfg
+end
+
+--- get() -> the loaded config (nil before init)
+function _M.get()
+    return current
+end
+
+return _M

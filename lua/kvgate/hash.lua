@@ -1,0 +1,31 @@
+-- SHA-256 helpers shared by the route key and the cache key.
+-- PURE (no ngx.*): nginx.sha256 is an FFI binding to libcrypto, which the nginx
+-- binary already links; the plain-luajit tests load libcrypto globally first.
+local sha256 = require "nginx.sha256"
+
+local byte = string.byte
+local format = string.format
+local gsub = string.gsub
+
+local _M = {}
+
+local function hex_byte(c)
+    return format("%02x", byte(c))
+end
+
+--- to_hex(bin) -> lowercase hex string (nginx.string needs an nginx symbol, so not used here)
+function _M.to_hex(bin)
+    return (gsub(bin, ".", hex_byte))
+end
+
+--- sha256_hex(s) -> 64 hex chars, or nil, err
+function _M.sha256_hex(s)
+    local h = sha256:new()
+    if not h then
+        return nil, "sha256 unavailable"
+    end
+    h:update(s)
+    return _M.to_hex(h:final())
+end
+
+return _M

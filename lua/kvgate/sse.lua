@@ -1,0 +1,184 @@
+-- Conversions between a streamed (SSE) response and the final completion object,
+-- so a cached answer can be replayed in either form. PURE.
+local cjson = require "cjson.safe"
+
+local type = type
+local pairs = pairs
+local ipairs = ipairs
+local concat = table.concat
+local gmatch = string.gmatch
+local next = next
+
+local EMPTY_ARRAY = "__kvgate_empty_array__"
+
+local _M = {}
+
+local function events(body)
+    -- SSE events are separated by a blank line; the payload is the "data:" lines
+    local out = {}
+    for block in gmatch(body:gsub("\r\n", "\n") .. "\n\n", "(.-)\n\n") do
+        local data = {}
+        for line in gmatch(block .. "\n", "(.-)\n") do
+            local d = line:match("^data: ?(.*)$")
+            if d then
+                data[#data + 1] = d
+            end
+        end
+        if #data > 0 then
+            out[#out + 1] = concat(data, "\n")
+        end
+    end
+    return out
+end
+
+local function merge_tool_calls(acc, deltas)
+    for _, d in ipairs(deltas) do
+        local idx = type(d.index) == "number" and d.index or #acc
+        local tc = acc[idx + 1]
+        if not tc then
+            tc = { type = "function", ["function"] = { name = "", arguments = "" } }
+            acc[idx + 1] = tc
+        end
+        if d.id then tc.id = d.id end
+        if d.type then tc.type = d.type end
+        local f = d["function"]
+        if type(f) == "table" then
+            if type(f.name) == "string" then tc["function"].name = tc["function"].name .. f.name end
+            if type(f.arguments) == "string" then
+                tc["function"].arguments = tc["function"].arguments .. f.arguments
+            end
+        end
+    end
+end
+
+--- complete(body) -> true if the stream ended with "data: [DONE]"
+function _M.complete(body)
+    local ev = events(body)
+    return ev[#ev] == "[DONE]"
+end
+
+--- to_completion(body, endpoint) -> completion table | nil, err
+-- Rebuilds the non-streamed response from the chunks ("chat" or "completions").
+function _M.to_completion(body, endpoint)
+    local ev = events(body)
+    if ev[#ev] ~= "[DONE]" then
+        return nil, "stream not complete"
+    end
+    local first, usage
+    local choices = {}
+    for i = 1, #ev - 1 do
+        local chunk = cjson.decode(ev[i])
+        if type(chunk) ~= "table" then
+            return nil, "bad chunk"
+        end
+        if chunk.error then
+            return nil, "error in stream"
+        end
+        first = first or chunk
+        if type(chunk.usage) == "table" then
+            usage = chunk.usage
+        end
+        if type(chunk.choices) == "table" then
+            for _, c in ipairs(chunk.choices) do
+                local idx = type(c.index) == "number" and c.index or 0
+                local acc = choices[idx + 1]
+                if not acc then
+                    acc = { index = idx, parts = {}, tool_calls = {} }
+                    choices[idx + 1] = acc
+                end
+                if endpoint == "chat" then
+                    local d = type(c.delta) == "table" and c.delta or {}
+                    if type(d.role) == "string" then acc.role = d.role end
+                    if type(d.content) == "string" then acc.parts[#acc.parts + 1] = d.content end
+                    if type(d.tool_calls) == "table" then merge_tool_calls(acc.tool_calls, d.tool_calls) end
+                elseif type(c.text) == "string" then
+                    acc.parts[#acc.parts + 1] = c.text
+                end
+                if c.finish_reason ~= nil and c.finish_reason ~= cjson.null then
+                    acc.finish_reason = c.finish_reason
+                end
+                if c.logprobs ~= nil then acc.logprobs = c.logprobs end
+            end
+        end
+    end
+    if not first then
+        return nil, "empty stream"
+    end
+    local out_choices = {}
+    for i = 1, #choices do
+        local acc = choices[i]
+        if not acc then
+            return nil, "missing choice"
+        end
+        local c = { index = acc.index, finish_reason = acc.finish_reason or cjson.null,
+                    logprobs = acc.logprobs or cjson.null }
+        if endpoint == "chat" then
+            local msg = { role = acc.role or "assistant" }
+            msg.content = (#acc.parts > 0 or #acc.tool_calls == 0) and concat(acc.parts) or cjson.null
+            if #acc.tool_calls > 0 then msg.tool_calls = acc.tool_calls end
+            c.message = msg
+        else
+            c.text = concat(acc.parts)
+        end
+        out_choices[i] = c
+    end
+    return {
+        id = first.id,
+        object = endpoint == "chat" and "chat.completion" or "text_completion",
+        created = first.created,
+        model = first.model,
+        system_fingerprint = first.system_fingerprint,
+        choices = out_choices,
+        usage = usage,
+    }
+end
+
+local function data(t)
+    return "data: " .. cjson.encode(t) .. "\n\n"
+end
+
+--- from_completion(obj, endpoint, include_usage) -> SSE body ending in "data: [DONE]"
+function _M.from_completion(obj, endpoint, include_usage)
+    local out = {}
+    local base = function(choices)
+        return { id = obj.id, object = endpoint == "chat" and "chat.completion.chunk" or "text_completion",
+                 created = obj.created, model = obj.model, system_fingerprint = obj.system_fingerprint,
+                 choices = choices }
+    end
+    local choices = type(obj.choices) == "table" and obj.choices or {}
+    for _, c in ipairs(choices) do
+        if endpoint == "chat" then
+            local m = type(c.message) == "table" and c.message or {}
+            out[#out + 1] = data(base({ { index = c.index, delta = { role = m.role or "assistant", content = "" },
+                                          finish_reason = cjson.null } }))
+            local delta = {}
+            if type(m.content) == "string" and m.content ~= "" then delta.content = m.content end
+            if type(m.tool_calls) == "table" then
+                local tcs = {}
+                for i, tc in ipairs(m.tool_calls) do
+                    tcs[i] = { index = i - 1, id = tc.id, type = tc.type, ["function"] = tc["function"] }
+                end
+                delta.tool_calls = tcs
+            end
+            if next(delta) then
+                out[#out + 1] = data(base({ { index = c.index, delta = delta, logprobs = c.logprobs,
+                                              finish_reason = cjson.null } }))
+            end
+            out[#out + 1] = data(base({ { index = c.index, delta = {},
+                                          finish_reason = c.finish_reason } }))
+        else
+            out[#out + 1] = data(base({ { index = c.index, text = c.text or "", logprobs = c.logprobs,
+                                          finish_reason = c.finish_reason } }))
+        end
+    end
+    if include_usage and type(obj.usage) == "table" then
+        -- lua-cjson encodes an empty table as {}; the usage chunk needs "choices": []
+        local last = base(EMPTY_ARRAY)
+        last.usage = obj.usage
+        out[#out + 1] = (data(last):gsub('"' .. EMPTY_ARRAY .. '"', "[]", 1))
+    end
+    out[#out + 1] = "data: [DONE]\n\n"
+    return concat(out)
+end
+
+return _M

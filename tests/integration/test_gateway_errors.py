@@ -1,0 +1,103 @@
+"""Bad input is answered by the gateway in OpenAI's error format; no node sees it."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from gwfixtures import MODEL, Gateway, sims_total
+
+SUCCESS = "vllm:request_success_total"
+GOOD = '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}' % MODEL
+
+
+def _post(gw: Gateway, body: bytes | str, headers: dict | None = None, path: str = "/v1/chat/completions"):
+    h = {"Content-Type": "application/json"}
+    h.update(headers or {})
+    return requests.post(gw.url + path, data=body, headers=h, timeout=10)
+
+
+CASES = {
+    "malformed-json": (dict(body='{"model": "m", "messages": ['), 400, "invalid_json"),
+    "not-an-object": (dict(body='["model"]'), 400, "invalid_json"),
+    "missing-model": (dict(body='{"messages": []}'), 400, "missing_model"),
+    "text-plain": (dict(body=GOOD, headers={"Content-Type": "text/plain"}), 400, "invalid_content_type"),
+    "oversized": (dict(body='{"model": "m", "pad": "' + "x" * 70000 + '"}'), 413, "request_too_large"),
+    "unknown-model": (dict(body=GOOD.replace(f'"{MODEL}"', '"gpt-nope"')), 404, "model_not_found"),
+    "long-session": (dict(body=GOOD, headers={"X-Session-Id": "s" * 300}), 400, "invalid_session_id"),
+    "control-char-session": (dict(body=GOOD, headers={"X-Session-Id": "a\x01b"}), 400, "invalid_session_id"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_rejected_at_the_gateway(fleet_clean: Gateway, case: str) -> None:
+    kwargs, status, code = CASES[case]
+    before = sims_total(fleet_clean.sims, SUCCESS), sims_total(fleet_clean.sims, "vllm:prompt_tokens_total")
+    bad_before = fleet_clean.metric_sum("kvgate_bad_requests_total", status=str(status))
+    r = _post(fleet_clean, **kwargs)
+    assert r.status_code == status, r.text
+    assert r.headers["Content-Type"].startswith("application/json")
+    err = r.json()["error"]
+    assert err["code"] == code
+    assert err["type"] == "invalid_request_error"
+    assert isinstance(err["message"], str) and err["message"]
+    assert "param" in err
+    if code == "model_not_found":
+        assert err["param"] == "model"
+    after = sims_total(fleet_clean.sims, SUCCESS), sims_total(fleet_clean.sims, "vllm:prompt_tokens_total")
+    assert after == before
+    assert fleet_clean.metric_sum("kvgate_bad_requests_total", status=str(status)) == bad_before + 1
+
+
+def test_oversized_chunked_body_is_413(fleet_clean: Gateway) -> None:
+    def gen():
+        yield b'{"model": "m", "pad": "'
+        for _ in range(20):
+            yield b"x" * 8192
+        yield b'"}'
+
+    r = requests.post(fleet_clean.url + "/v1/chat/completions", data=gen(),
+                      headers={"Content-Type": "application/json"}, timeout=10)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_content_type_with_parameters_is_fine(fleet_clean: Gateway) -> None:
+    r = _post(fleet_clean, GOOD, headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_path_and_method(fleet_clean: Gateway) -> None:
+    r = requests.get(fleet_clean.url + "/v1/nothing", timeout=5)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = requests.get(fleet_clean.url + "/v1/chat/completions", timeout=5)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_metrics_parse_and_count(fleet_clean: Gateway) -> None:
+    before = fleet_clean.metric_sum("kvgate_requests_total", status="200", route_key_kind="session")
+    for i in range(3):
+        assert fleet_clean.chat(f"m{i}", headers={"X-Session-Id": "metrics"}, max_tokens=1).status_code == 200
+    assert fleet_clean.chat("fb", max_tokens=1).status_code == 200  # prefix key
+    r = requests.get(fleet_clean.url + "/metrics", timeout=5)
+    assert r.headers["Content-Type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name in ("kvgate_requests", "kvgate_upstream_response_seconds", "kvgate_failovers",
+                 "kvgate_cache_errors", "kvgate_bad_requests", "kvgate_route_key_fallback"):
+        assert name in families, sorted(families)
+    assert families["kvgate_upstream_response_seconds"].type == "histogram"
+    assert fleet_clean.metric_sum("kvgate_requests_total", status="200", route_key_kind="session") == before + 3
+    nodes = {s.labels["node"] for s in families["kvgate_requests"].samples}
+    assert nodes <= {s.node_id for s in fleet_clean.sims} | {"cache", "none"}
+    count = fleet_clean.metric_sum("kvgate_upstream_response_seconds_count")
+    inf = fleet_clean.metric_sum("kvgate_upstream_response_seconds_bucket", le="+Inf")
+    assert count == inf > 0
+
+
+def test_fallback_route_key_is_counted(start_sims, start_gateway) -> None:
+    gw = start_gateway(start_sims(2, prefix="b"), None, pool={"affinity": ["session"]})
+    r = gw.chat("no session header", max_tokens=1)
+    assert r.status_code == 200 and r.headers["X-Kvgate-Route-Key-Kind"] == "fallback"
+    assert gw.metric_sum("kvgate_route_key_fallback_total", pool="default") == 1
+    assert gw.metric_sum("kvgate_requests_total", route_key_kind="fallback") == 1

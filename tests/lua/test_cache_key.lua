@@ -1,0 +1,97 @@
+local H = dofile("tests/lua/helper.lua")
+local cache_key = require "kvgate.cache_key"
+local json = require "kvgate.json"
+local cjson = require "cjson.safe"
+
+local BASE = [[{"model":"m","messages":[{"role":"system","content":"sys"},{"role":"user","content":"hi"}],
+  "temperature":0,"max_tokens":16}]]
+
+local function key(text, endpoint, tenant, version)
+    return cache_key.key(cjson.decode(text), endpoint or "chat", tenant or "default", version or 1)
+end
+
+local function with(field, value)
+    local r = cjson.decode(BASE)
+    r[field] = value
+    return cache_key.key(r, "chat", "default", 1)
+end
+
+H.test("key format", function()
+    local k = key(BASE)
+    H.truthy(k:match("^kvgate:resp:v1:default:%x+$"), k)
+    H.eq(#k:match("(%x+)$"), 64)
+end)
+
+H.test("each sampling parameter changes the key", function()
+    local base = key(BASE)
+    local seen = { [base] = "base" }
+    local cases = {
+        { "temperature", 0.5 }, { "top_p", 0.9 }, { "max_tokens", 17 }, { "seed", 1 }, { "seed", 2 },
+        { "stop", { "\n" } }, { "n", 2 }, { "presence_penalty", 0.1 }, { "frequency_penalty", 0.1 },
+        { "logit_bias", { ["50256"] = -100 } }, { "response_format", { type = "json_object" } },
+        { "tools", { { type = "function", ["function"] = { name = "f" } } } }, { "model", "m2" },
+        { "top_k", 5 }, { "logprobs", true },
+    }
+    for _, c in ipairs(cases) do
+        local k = with(c[1], c[2])
+        H.truthy(not seen[k], c[1] .. " collides with " .. tostring(seen[k]))
+        seen[k] = c[1]
+    end
+end)
+
+H.test("prompt changes change the key (system included)", function()
+    local r = cjson.decode(BASE); r.messages[1].content = "sys2"
+    H.ne(cache_key.key(r, "chat", "default", 1), key(BASE))
+end)
+
+H.test("reordered keys give the same key", function()
+    local a = key([[{"model":"m","temperature":0,"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"a":1,"b":2}}}}]])
+    local b = key([[{"response_format":{"json_schema":{"schema":{"b":2,"a":1},"name":"x"},"type":"json_schema"},"messages":[{"content":"hi","role":"user"}],"temperature":0.0,"model":"m"}]])
+    H.eq(a, b)
+end)
+
+H.test("an absent parameter is not its default", function()
+    local a = key([[{"model":"m","messages":[],"temperature":0}]])
+    local b = key([[{"model":"m","messages":[],"temperature":0,"top_p":1}]])
+    H.ne(a, b)
+end)
+
+H.test("transport fields do not change the key", function()
+    local a = key([[{"model":"m","messages":[],"temperature":0}]])
+    local b = key([[{"model":"m","messages":[],"temperature":0,"stream":true,"stream_options":{"include_usage":true},"user":"u"}]])
+    H.eq(a, b)
+end)
+
+H.test("tenant, version and endpoint scope the key", function()
+    local k = key(BASE)
+    H.ne(key(BASE, "chat", "other"), k)
+    H.ne(key(BASE, "chat", "default", 2), k)
+    H.truthy(key(BASE, "chat", "default", 2):match("^kvgate:resp:v2:"))
+    H.ne(key(BASE, "completions"), k)
+end)
+
+H.test("tenant cannot forge a key boundary", function()
+    local k = key(BASE, "chat", "a:b")
+    H.truthy(k:match("^kvgate:resp:v1:a%%3Ab:%x+$"), k)
+    H.ne(key(BASE, "chat", "a:b"), key(BASE, "chat", "a%3Ab"))
+end)
+
+H.test("data cannot forge structure", function()
+    H.ne(json.canonical({ a = "x\",\"b\":\"y" }), json.canonical({ a = "x", b = "y" }))
+    H.ne(json.canonical({ "1" }), json.canonical({ ["1"] = "1" }))
+    H.eq(json.canonical({ b = 1, a = { d = 2, c = { 3, 4 } } }), '{"a":{"c":[3,4],"d":2},"b":1}')
+    H.eq(json.canonical(cjson.decode('{"x":1.0,"y":0.1}')), '{"x":1,"y":0.10000000000000001}')
+end)
+
+H.test("cacheability", function()
+    local function c(t, cc) return (cache_key.cacheable(cjson.decode(t), "chat", cc)) end
+    H.eq(c([[{"temperature":0,"messages":[]}]]), true)
+    H.eq(c([[{"temperature":0.7,"seed":3,"messages":[]}]]), true)
+    H.eq(c([[{"temperature":0.7,"messages":[]}]]), false)
+    H.eq(c([[{"messages":[]}]]), false)
+    H.eq(c([[{"temperature":0,"messages":[]}]], "no-store"), false)
+    H.eq(c([[{"temperature":0,"messages":[]}]], "max-age=0, No-Store"), false)
+    H.eq(c([[{"temperature":0,"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}]]), false)
+end)
+
+H.done()

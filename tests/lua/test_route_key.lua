@@ -1,0 +1,135 @@
+local H = dofile("tests/lua/helper.lua")
+local route_key = require "kvgate.route_key"
+local prompt = require "kvgate.prompt"
+local cjson = require "cjson.safe"
+
+local POOL = { affinity = { "session", "user", "prefix" }, session_header = "X-Session-Id", prefix_chars = 2048 }
+local FALLBACK = "kvgate:fallback"
+
+local function headers(t)
+    return function(name) return t[name] end
+end
+
+local SYSTEM = { role = "system", content = "You are a helpful assistant." }
+
+local function chat(turns, first_user)
+    local msgs = { SYSTEM, { role = "user", content = first_user or "Tell me about the Rhine." } }
+    for i = 2, turns do
+        msgs[#msgs + 1] = { role = "assistant", content = "answer " .. (i - 1) }
+        msgs[#msgs + 1] = { role = "user", content = "follow-up question " .. i }
+    end
+    return { model = "m", messages = msgs }
+end
+
+H.test("fingerprint is stable over turns 1..5 of one chat", function()
+    local k1, kind = route_key.compute(chat(1), "chat", headers({}), POOL, FALLBACK)
+    H.eq(kind, "prefix")
+    for t = 2, 5 do
+        local k = route_key.compute(chat(t), "chat", headers({}), POOL, FALLBACK)
+        H.eq(k, k1, "turn " .. t)
+    end
+end)
+
+H.test("fingerprint changes with the first user message", function()
+    local a = route_key.compute(chat(1, "question A"), "chat", headers({}), POOL, FALLBACK)
+    local b = route_key.compute(chat(1, "question B"), "chat", headers({}), POOL, FALLBACK)
+    H.ne(a, b)
+end)
+
+H.test("fingerprint changes with the system prompt and with tools", function()
+    local base = route_key.compute(chat(1), "chat", headers({}), POOL, FALLBACK)
+    local r = chat(1); r.messages[1] = { role = "system", content = "Other system." }
+    H.ne(route_key.compute(r, "chat", headers({}), POOL, FALLBACK), base)
+    local t = chat(1); t.tools = { { type = "function", ["function"] = { name = "f" } } }
+    H.ne(route_key.compute(t, "chat", headers({}), POOL, FALLBACK), base)
+end)
+
+H.test("text parts concatenate like a plain string", function()
+    local a = chat(1, "hello world")
+    local b = chat(1); b.messages[2].content = { { type = "text", text = "hello " }, { type = "text", text = "world" } }
+    H.eq(route_key.compute(a, "chat", headers({}), POOL, FALLBACK), route_key.compute(b, "chat", headers({}), POOL, FALLBACK))
+end)
+
+H.test("window caps at prefix_chars", function()
+    local pool = { affinity = { "prefix" }, session_header = "X-Session-Id", prefix_chars = 64 }
+    local long = string.rep("x", 500)
+    local a = chat(1, long .. "A")
+    local b = chat(1, long .. "B")
+    H.eq(route_key.compute(a, "chat", headers({}), pool, FALLBACK), route_key.compute(b, "chat", headers({}), pool, FALLBACK))
+    local p = prompt.canonical(a, "chat")
+    local _, fue = prompt.canonical(a, "chat")
+    H.eq(#prompt.window(p, fue, 64), 64)
+    -- without the cap they differ
+    H.ne(route_key.compute(a, "chat", headers({}), POOL, FALLBACK), route_key.compute(b, "chat", headers({}), POOL, FALLBACK))
+end)
+
+H.test("window never extends past the first user message", function()
+    local p, fue = prompt.canonical(chat(3), "chat")
+    local w = prompt.window(p, fue, 100000)
+    H.eq(#w, fue)
+    H.truthy(w:find("Rhine", 1, true))
+    H.truthy(not w:find("follow-up", 1, true))
+end)
+
+H.test("role and content boundaries cannot be forged", function()
+    local a = { model = "m", messages = { { role = "user", content = "ab" } } }
+    local b = { model = "m", messages = { { role = "usera", content = "b" } } }
+    H.ne(prompt.canonical(a, "chat"), prompt.canonical(b, "chat"))
+    local c = { model = "m", messages = { { role = "user", content = "x" }, { role = "user", content = "y" } } }
+    local d = { model = "m", messages = { { role = "user", content = "x\30user\31y" } } }
+    H.ne(prompt.canonical(c, "chat"), prompt.canonical(d, "chat"))
+    local e = { model = "m", messages = { { role = "user", content = "x\\x1euser\\x1fy" } } }
+    H.ne(prompt.canonical(e, "chat"), prompt.canonical(d, "chat"))
+end)
+
+H.test("a growing message keeps the fingerprint of its start", function()
+    -- e.g. a client that resends the whole history inside one user message
+    local pool = { affinity = { "prefix" }, session_header = "X-Session-Id", prefix_chars = 128 }
+    local base = string.rep("shared words ", 10)
+    local short = { model = "m", messages = { SYSTEM, { role = "user", content = base .. "turn one" } } }
+    local long = { model = "m", messages = { SYSTEM, { role = "user", content = base .. "turn one, turn two, three" } } }
+    H.eq(route_key.compute(short, "chat", headers({}), pool, FALLBACK), route_key.compute(long, "chat", headers({}), pool, FALLBACK))
+end)
+
+H.test("a window that covers only the system prompt is flagged as shared", function()
+    local pool = { affinity = { "prefix" }, session_header = "X-Session-Id", prefix_chars = 64 }
+    local req = chat(1); req.messages[1].content = string.rep("s", 100)
+    local k, kind, err, shared = route_key.compute(req, "chat", headers({}), pool, FALLBACK)
+    H.eq(kind, "prefix"); H.eq(shared, true)
+    k, kind, err, shared = route_key.compute(chat(1), "chat", headers({}), POOL, FALLBACK)
+    H.eq(shared, false)
+end)
+
+H.test("completions: prompt string is the prefix", function()
+    local a = route_key.compute({ model = "m", prompt = "Once upon a time" }, "completions", headers({}), POOL, FALLBACK)
+    local b = route_key.compute({ model = "m", prompt = "Once upon a time" }, "completions", headers({}), POOL, FALLBACK)
+    local c = route_key.compute({ model = "m", prompt = "Twice upon a time" }, "completions", headers({}), POOL, FALLBACK)
+    H.eq(a, b); H.ne(a, c)
+end)
+
+H.test("affinity order: session, then user, then prefix, then fallback", function()
+    local req = chat(1); req.user = "alice"
+    local k, kind = route_key.compute(req, "chat", headers({ ["X-Session-Id"] = "s1" }), POOL, FALLBACK)
+    H.eq(kind, "session"); H.eq(k, "s:s1")
+    k, kind = route_key.compute(req, "chat", headers({}), POOL, FALLBACK)
+    H.eq(kind, "user"); H.eq(k, "u:alice")
+    req.user = ""
+    k, kind = route_key.compute(req, "chat", headers({}), POOL, FALLBACK)
+    H.eq(kind, "prefix")
+    k, kind = route_key.compute({ model = "m", messages = {} }, "chat", headers({}), POOL, FALLBACK)
+    H.eq(kind, "fallback"); H.eq(k, FALLBACK)
+    local only_user = { affinity = { "user" }, session_header = "X-Session-Id", prefix_chars = 2048 }
+    k, kind = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = "s1" }), only_user, FALLBACK)
+    H.eq(kind, "fallback")
+end)
+
+H.test("bad session header is an error", function()
+    local k, kind, err = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = string.rep("a", 300) }), POOL, FALLBACK)
+    H.eq(k, nil); H.truthy(err)
+    k, kind, err = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = "a\1b" }), POOL, FALLBACK)
+    H.eq(k, nil); H.truthy(err)
+    k = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = string.rep("a", 256) }), POOL, FALLBACK)
+    H.truthy(k)
+end)
+
+H.done()

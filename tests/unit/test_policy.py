@@ -1,0 +1,116 @@
+"""Policy validation: good files load, bad ones name the field path and a one-line reason."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvgate.policy import PolicyError, load_policy, parse_policy_text
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "policies" / "demo.yaml"
+
+MINIMAL = """
+pools:
+  - name: p
+    models: [m]
+    nodes:
+      - {id: a, url: "http://127.0.0.1:9001"}
+"""
+
+
+def issues(text: str) -> list[str]:
+    with pytest.raises(PolicyError) as info:
+        parse_policy_text(text)
+    return [str(i) for i in info.value.issues]
+
+
+def test_demo_policy_loads():
+    p = load_policy(DEMO)
+    assert p.gateway.listen == "127.0.0.1:8080"
+    assert [n.id for n in p.nodes()] == ["n1", "n2", "n3", "n4"]
+    assert p.pools[0].balancer == "chash"
+    assert p.pool_of_model("demo-model").name == "default"
+    assert p.gateway.debug_headers is True
+
+
+def test_defaults_fill_in():
+    p = parse_policy_text(MINIMAL)
+    pool = p.pools[0]
+    assert pool.affinity == ["session", "user", "prefix"]
+    assert pool.session_header == "X-Session-Id"
+    assert p.cache.enabled and p.cache.namespace_version == 1
+    assert pool.nodes[0].weight == 1 and pool.nodes[0].address == "127.0.0.1:9001"
+
+
+@pytest.mark.parametrize("bad, path, words", [
+    (MINIMAL.replace("models: [m]", "models: [m]\n    balancer: ketama"), "pools[0].balancer", "chash"),
+    (MINIMAL.replace('"http://127.0.0.1:9001"', '"ftp://x"'), "pools[0].nodes[0].url", "http://"),
+    (MINIMAL.replace("{id: a,", "{id: A,"), "pools[0].nodes[0].id", "invalid node id"),
+    (MINIMAL.replace("{id: a,", "{id: a, weight: 0,"), "pools[0].nodes[0].weight", "greater than"),
+    (MINIMAL + "gateway: {listen: nowhere}\n", "gateway.listen", "HOST:PORT"),
+    (MINIMAL + "redis: {url: 'http://x:1'}\n", "redis.url", "redis://"),
+    (MINIMAL + "cache: {ttl_s: -1}\n", "cache.ttl_s", "greater than"),
+    (MINIMAL.replace("models: [m]", "models: [m]\n    affinty: [user]"), "pools[0].affinty", "unknown field"),
+    (MINIMAL.replace("models: [m]", "models: [m]\n    affinity: [user, cookie]"), "pools[0].affinity[1]", "session"),
+    (MINIMAL.replace("models: [m]", "models: [m]\n    session_header: 'X Bad'"), "pools[0].session_header", "header"),
+    ("pools: []\n", "pools", "at least 1"),
+    ("gateway: {}\n", "pools", "required"),
+])
+def test_bad_field_is_named(bad, path, words):
+    found = issues(bad)
+    assert any(i.startswith(path + ":") and words in i for i in found), found
+
+
+def test_cross_checks():
+    two = MINIMAL + """  - name: q
+    models: [m]
+    nodes:
+      - {id: a, url: "http://127.0.0.1:9002"}
+"""
+    found = issues(two)
+    assert "pools[1].models[0]: model 'm' is already served by pool 'p'" in found
+    assert "pools[1].nodes[0].id: node id 'a' is already used by pools[0].nodes[0]" in found
+
+
+def test_yaml_syntax_error_has_position():
+    found = issues("pools: [\n  - name: x\n")
+    assert found and "YAML syntax error" in found[0] and "line" in found[0]
+
+
+def test_not_a_mapping():
+    assert issues("- a\n- b\n") == ["the policy must be a YAML mapping"]
+
+
+def test_cli_validate_bad_policy_exits_2_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(MINIMAL.replace('"http://127.0.0.1:9001"', '"nope"'))
+    proc = subprocess.run([sys.executable, "-m", "kvgate", "validate", str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "pools[0].nodes[0].url: expected http://HOST:PORT" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_validate_good_policy():
+    proc = subprocess.run([sys.executable, "-m", "kvgate", "validate", str(DEMO)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "ok (1 pool(s), 4 node(s))" in proc.stdout
+
+
+def test_cli_up_with_bad_policy_changes_nothing(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(MINIMAL.replace("models: [m]", "models: [m]\n    balancer: fastest"))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "kvgate", "--run-dir", str(run_dir), "up", str(bad)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "pools[0].balancer" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (run_dir / "nginx").exists()
+
+
+def test_policy_reference_doc_is_current():
+    from kvgate.policy.docs import markdown
+
+    doc = (REPO / "docs" / "policy-reference.md").read_text()
+    assert doc == markdown(), "docs/policy-reference.md is stale: run `python -m kvgate.policy.docs > docs/policy-reference.md`"

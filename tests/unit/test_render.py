@@ -1,0 +1,134 @@
+"""The nginx renderer: the demo policy renders, nginx -t accepts it, balancers and weights."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvgate.nginxctl import Nginx, NginxError
+from kvgate.policy.loader import load_policy, parse_policy
+from kvgate.render import default_lua_dir, render
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "policies" / "demo.yaml"
+
+needs_nginx = pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx not installed")
+
+
+def _policy(**pool_overrides):
+    pool = {
+        "name": "p1",
+        "models": ["m1", "m2"],
+        "nodes": [
+            {"id": "a", "url": "http://127.0.0.1:9001", "weight": 3},
+            {"id": "b", "url": "http://127.0.0.1:9002"},
+        ],
+    }
+    pool.update(pool_overrides)
+    return parse_policy({"version": 1, "pools": [pool]})
+
+
+def _upstream(conf: str, name: str) -> str:
+    m = re.search(r"upstream " + name + r" \{(.*?)\}", conf, re.S)
+    assert m, conf
+    return m.group(1)
+
+
+def test_default_lua_dir() -> None:
+    assert (default_lua_dir() / "kvgate" / "gateway.lua").is_file()
+
+
+def test_demo_renders_both_files() -> None:
+    files = render(load_policy(DEMO), default_lua_dir())
+    assert set(files) >= {"conf/nginx.conf", "conf/kvgate.json"}
+    conf = files["conf/nginx.conf"]
+    assert "load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;" in conf
+    assert "pid logs/nginx.pid;" in conf
+    assert "error_log logs/error.log" in conf
+    assert f'lua_package_path "{default_lua_dir()}/?.lua;;";' in conf
+    for temp in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        assert f"{temp}_temp_path tmp/" in conf
+    data = json.loads(files["conf/kvgate.json"])
+    assert data["models"] == {"demo-model": "default"}
+    assert data["nodes_by_addr"]["127.0.0.1:8101"] == "n1"
+    assert data["pools"]["default"]["session_var"] == "http_x_session_id"
+    assert data["cache"]["namespace_version"] == 1
+    assert data["redis"] == {"host": "127.0.0.1", "port": 6390, "db": 0, "timeout_ms": 200, "pool_size": 64}
+
+
+def test_render_is_deterministic() -> None:
+    p = load_policy(DEMO)
+    assert render(p, default_lua_dir()) == render(p, default_lua_dir())
+
+
+def test_chash_upstream_with_weights() -> None:
+    conf = render(_policy(), default_lua_dir())["conf/nginx.conf"]
+    up = _upstream(conf, "pool_p1")
+    assert "hash $kvgate_route_key consistent;" in up
+    assert "server 127.0.0.1:9001 weight=3 max_fails=1 fail_timeout=10s;" in up
+    assert "server 127.0.0.1:9002 weight=1 max_fails=1 fail_timeout=10s;" in up
+    # the balancer directive must precede keepalive
+    assert up.index("hash ") < up.index("keepalive")
+
+
+def test_round_robin_and_least_conn() -> None:
+    rr = _upstream(render(_policy(balancer="round_robin"), default_lua_dir())["conf/nginx.conf"], "pool_p1")
+    assert "hash " not in rr and "least_conn" not in rr
+    lc = _upstream(render(_policy(balancer="least_conn"), default_lua_dir())["conf/nginx.conf"], "pool_p1")
+    assert "least_conn;" in lc and "hash " not in lc
+    assert "hash " not in _upstream(
+        render(load_policy(DEMO).with_balancer("round_robin"), default_lua_dir())["conf/nginx.conf"], "pool_default"
+    )
+
+
+def test_limits_and_timeouts() -> None:
+    p = parse_policy({
+        "version": 1,
+        "gateway": {"max_body_bytes": 4096, "connect_timeout_s": 0.5, "read_timeout_s": 30},
+        "pools": [{"name": "p", "models": ["m"], "nodes": [{"id": "a", "url": "http://127.0.0.1:9001"}]}],
+    })
+    conf = render(p, default_lua_dir())["conf/nginx.conf"]
+    assert "client_max_body_size 4096;" in conf
+    assert "client_body_buffer_size 4096;" in conf
+    assert "proxy_connect_timeout 500ms;" in conf
+    assert "proxy_read_timeout 30000ms;" in conf
+    assert "proxy_next_upstream_tries 2;" in conf
+    assert "proxy_buffering off;" in conf
+
+
+@needs_nginx
+@pytest.mark.parametrize("balancer", ["chash", "round_robin", "least_conn"])
+def test_nginx_accepts_rendered_config(tmp_path: Path, balancer: str) -> None:
+    Nginx(tmp_path / "prefix").test(render(load_policy(DEMO).with_balancer(balancer), default_lua_dir()))
+
+
+@needs_nginx
+def test_nginx_rejects_broken_config_with_emerg_line(tmp_path: Path) -> None:
+    files = render(load_policy(DEMO), default_lua_dir())
+    files["conf/nginx.conf"] = files["conf/nginx.conf"].replace("proxy_buffering off;", "proxy_buffering sideways;")
+    with pytest.raises(NginxError, match=r"\[emerg\].*proxy_buffering"):
+        Nginx(tmp_path / "prefix").test(files)
+
+
+def test_bad_data_config_is_rejected_before_install(tmp_path: Path) -> None:
+    files = render(load_policy(DEMO), default_lua_dir())
+    files["conf/kvgate.json"] = "{not json"
+    with pytest.raises(NginxError, match="kvgate"):
+        Nginx(tmp_path / "prefix").test(files)
+
+
+@needs_nginx
+def test_start_fails_loudly_when_lua_init_fails(tmp_path: Path) -> None:
+    # nginx -t does not run init_by_lua: a data config the Lua refuses shows at start
+    ngx = Nginx(tmp_path / "prefix")
+    files = render(_policy(), default_lua_dir())
+    (tmp_path / "prefix" / "conf").mkdir(parents=True)
+    (tmp_path / "prefix" / "conf" / "nginx.conf").write_text(files["conf/nginx.conf"].replace("127.0.0.1:8080", "127.0.0.1:1"))
+    (tmp_path / "prefix" / "conf" / "kvgate.json").write_text("[]")
+    with pytest.raises(NginxError, match="kvgate"):
+        ngx.start()
+    assert ngx.pid() is None
