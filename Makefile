@@ -9,9 +9,10 @@ DEMO_REQUESTS ?= 2000
 DEMO_SPEEDUP ?= 10
 
 # Debian 12 packages (see docs/operations.md): nginx with the Lua module, Debian's resty
-# libraries (nginx.redis, nginx.sha256), cjson, Redis, luajit for the pure-Lua unit tests.
+# libraries (nginx.redis, nginx.sha256), cjson, Redis, and luajit2 (OpenResty's LuaJIT, the same
+# runtime as the Lua module; Debian's plain `luajit` conflicts with it) for the pure-Lua unit tests.
 APT_PACKAGES := nginx libnginx-mod-http-lua lua-resty-core lua-resty-lrucache lua-nginx-redis \
-	lua-nginx-string lua-cjson redis-server redis-tools luajit python3-venv ca-certificates
+	lua-nginx-string lua-cjson redis-server redis-tools luajit2 python3-venv ca-certificates
 
 .PHONY: setup demo test test-unit test-integration up down status clean
 .DEFAULT_GOAL := help

@@ -127,6 +127,14 @@ def data_config(policy: Policy) -> dict[str, Any]:
     }
 
 
+def lua_digest(lua_dir: Path) -> str:
+    """sha256 (16 hex digits) over the names and contents of ``lua_dir/kvgate/*.lua``."""
+    h = hashlib.sha256()
+    for path in sorted(Path(lua_dir).glob("kvgate/*.lua")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def render(policy: Policy, lua_dir: Path) -> dict[str, str]:
     """Render the gateway config for ``policy``.
 
@@ -148,6 +156,9 @@ def render(policy: Policy, lua_dir: Path) -> dict[str, str]:
         read_timeout=_seconds(gw.read_timeout_s),
     )
     data = data_config(policy)
+    # The Lua modules are loaded once per (re)load, so a changed module must count as a
+    # changed config: otherwise `kvgate up` after an upgrade would keep the old code.
+    data["lua_digest"] = lua_digest(lua_dir)
     body = json.dumps(data, sort_keys=True, indent=2)
     data["digest"] = hashlib.sha256((conf + "\0" + body).encode()).hexdigest()[:16]
     return {
