@@ -50,10 +50,13 @@ function _M.content_text(content)
     return concat(parts), non_text
 end
 
---- canonical(req, endpoint) -> prompt string, first_user_end, first_user_start
+--- canonical(req, endpoint, limit) -> prompt string, first_user_end, first_user_start
 -- (byte offsets of the first user message's text; nil if there is none)
--- endpoint: "chat" or "completions"
-function _M.canonical(req, endpoint)
+-- endpoint: "chat" or "completions"; limit (optional, bytes): stop once the prompt is at
+-- least this long and the first user message was seen — the route key needs only its
+-- window, and conversations grow long.
+function _M.canonical(req, endpoint, limit)
+    limit = limit or math.huge
     local out = {}
     local len = 0
     local first_user_end, first_user_start
@@ -79,6 +82,10 @@ function _M.canonical(req, endpoint)
                     end
                     out[#out + 1] = s
                     len = len + #s
+                    -- past the window, only the first user message's offsets are still needed
+                    if len >= limit and first_user_end then
+                        break
+                    end
                 end
             end
         end
@@ -100,6 +107,10 @@ function _M.canonical(req, endpoint)
                     e = tostring(e)
                 end
                 out[#out + 1] = RS .. "P" .. US .. esc(e)
+                len = len + #out[#out]
+                if len >= limit then
+                    break
+                end
             end
         end
     end

@@ -29,7 +29,7 @@ end
 -- message: the key then covers only the system prompt/tools, which many
 -- conversations share — a hot key (counted, see docs/gateway.md).
 function _M.prefix_key(req, endpoint, prefix_chars)
-    local p, first_user_end, first_user_start = prompt.canonical(req, endpoint)
+    local p, first_user_end, first_user_start = prompt.canonical(req, endpoint, prefix_chars)
     local w = prompt.window(p, first_user_end, prefix_chars)
     if w == "" then
         return nil

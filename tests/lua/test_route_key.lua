@@ -132,4 +132,20 @@ H.test("bad session header is an error", function()
     H.truthy(k)
 end)
 
+H.test("canonical() with a limit gives the same window and offsets as without", function()
+    local long = { model = "m", messages = { SYSTEM, { role = "user", content = string.rep("word ", 2000) } } }
+    for i = 1, 20 do
+        long.messages[#long.messages + 1] = { role = i % 2 == 1 and "assistant" or "user", content = string.rep("x", 500) }
+    end
+    for _, n in ipairs({ 10, 64, 2048, 20000, 100000 }) do
+        local full, fe, fs = prompt.canonical(long, "chat")
+        local cut, ce, cs = prompt.canonical(long, "chat", n)
+        H.eq(prompt.window(cut, ce, n), prompt.window(full, fe, n), "window " .. n)
+        H.eq(ce, fe); H.eq(cs, fs)
+        H.truthy(#cut <= #full)
+    end
+    local full = prompt.canonical(long, "chat")
+    H.truthy(#prompt.canonical(long, "chat", 2048) < #full / 2, "stops early")
+end)
+
 H.done()
