@@ -89,8 +89,6 @@ def data_config(policy: Policy) -> dict[str, Any]:
             "balancer": pool.balancer,
             "affinity": list(pool.affinity),
             "session_header": pool.session_header,
-            # nginx variable holding the header (first value if repeated)
-            "session_var": "http_" + pool.session_header.lower().replace("-", "_"),
             "prefix_chars": pool.prefix_chars,
             "nodes": [{"id": n.id, "address": n.address, "weight": n.weight} for n in pool.nodes],
         }

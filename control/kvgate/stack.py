@@ -32,7 +32,8 @@ import psutil
 import requests
 
 from .nginxctl import Nginx, NginxError
-from .policy import NodeConfig, Policy, load_policy
+from .render import render
+from .policy import NodeConfig, Policy, PolicyError, load_policy
 
 DEFAULT_RUN_DIR = Path(".kvgate") / "run"
 
@@ -89,6 +90,14 @@ class Stack:
         except (OSError, ValueError, KeyError):
             return None
 
+    def _running_listen(self) -> str | None:
+        """The gateway address of the running stack's policy (None if unknown or invalid now)."""
+        try:
+            running = self.load_running_policy()
+        except PolicyError:
+            return None
+        return running.gateway.listen if running else None
+
     def load_running_policy(self) -> Policy | None:
         path = self.policy_path()
         return load_policy(path) if path else None
@@ -116,17 +125,32 @@ class Stack:
             return None
         return pid
 
-    # --------------------------------------------------------------- redis
-    def _redis_marker(self, policy: Policy) -> str:
-        return f":{policy.redis.port}"
+    def _cmdline(self, pid: int) -> list[str]:
+        try:
+            return psutil.Process(pid).cmdline()
+        except psutil.Error:
+            return []
 
+    # --------------------------------------------------------------- redis
     def start_redis(self, policy: Policy) -> str:
-        """Start the private redis-server (when ``redis.managed``). Returns what happened."""
+        """Start the private redis-server (when ``redis.managed``) or keep the running one.
+
+        Returns ``started``, ``running``, ``restarted`` (the policy moved it to another
+        address) or ``external`` (``redis.managed: false``; a Redis we had started is stopped).
+        """
+        host, port = policy.redis.host, policy.redis.port
+        pid = self._live_pid("redis", "redis-server")
+        if pid and not policy.redis.managed:
+            self._stop_pid("redis", "redis-server")
+            return "external"
         if not policy.redis.managed:
             return "external"
-        if self._live_pid("redis", self._redis_marker(policy)):
-            return "running"
-        host, port = policy.redis.host, policy.redis.port
+        restarted = False
+        if pid:
+            if f"{host}:{port}" in " ".join(self._cmdline(pid)):
+                return "running"
+            self._stop_pid("redis", "redis-server")
+            restarted = True
         if _port_open(host, port):
             raise StackError(f"redis: port {host}:{port} is already in use by another program "
                              f"(set redis.managed: false to use an existing Redis)")
@@ -151,7 +175,7 @@ class Stack:
             except OSError:
                 pass
             time.sleep(0.05)
-        return "started"
+        return "restarted" if restarted else "started"
 
     def redis_healthy(self, policy: Policy) -> bool:
         import redis
@@ -163,28 +187,38 @@ class Stack:
             return False
 
     # ----------------------------------------------------------- simulators
-    def _sim_marker(self, node: NodeConfig) -> str:
-        return f"--node-id {node.id} "
+    @staticmethod
+    def sim_command(policy: Policy, node: NodeConfig) -> list[str]:
+        """The ``kvgate sim`` command line for a ``simulate: true`` node."""
+        sim = policy.simulator
+        return [sys.executable, "-m", "kvgate", "sim", "--node-id", node.id, "--host", node.host,
+                "--port", str(node.port), "--model", policy.pool_of_node(node.id).models[0],
+                "--time-scale", str(sim.time_scale), "--prefill-s-per-token", str(sim.prefill_s_per_token),
+                "--decode-s-per-token", str(sim.decode_s_per_token), "--max-num-seqs", str(sim.max_num_seqs),
+                "--block-size", str(sim.block_size), "--num-gpu-blocks", str(sim.num_gpu_blocks),
+                "--stream-interval", str(sim.stream_interval)]
 
     def start_sim(self, policy: Policy, node: NodeConfig) -> str:
+        """Start the node's simulator, keep it if it runs with the same settings, or restart it
+        when the policy changed them. Returns ``started``, ``running`` or ``restarted``."""
         name = f"sim-{node.id}"
-        if self._live_pid(name, self._sim_marker(node)):
-            return "running"
+        cmd = self.sim_command(policy, node)
+        pid = self._live_pid(name, "kvgate")
+        restarted = False
+        if pid:
+            # argv[0] may differ (a venv's python through a symlink); the arguments decide
+            if self._cmdline(pid)[1:] == cmd[1:]:
+                return "running"
+            self._stop_pid(name, "kvgate")
+            restarted = True
         if _port_open(node.host, node.port):
             raise StackError(f"{name}: port {node.address} is already in use by another program")
-        sim = policy.simulator
-        cmd = [sys.executable, "-m", "kvgate", "sim", "--node-id", node.id, "--host", node.host,
-               "--port", str(node.port), "--model", policy.pool_of_node(node.id).models[0],
-               "--time-scale", str(sim.time_scale), "--prefill-s-per-token", str(sim.prefill_s_per_token),
-               "--decode-s-per-token", str(sim.decode_s_per_token), "--max-num-seqs", str(sim.max_num_seqs),
-               "--block-size", str(sim.block_size), "--num-gpu-blocks", str(sim.num_gpu_blocks),
-               "--stream-interval", str(sim.stream_interval)]
         log = open(self.logs / f"{name}.log", "ab")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, close_fds=True)
         log.close()
         self._pid_file(name).write_text(f"{proc.pid}\n")
-        return "started"
+        return "restarted" if restarted else "started"
 
     @staticmethod
     def http_healthy(url: str) -> bool:
@@ -197,6 +231,10 @@ class Stack:
     def up(self, policy_path: Path, timeout: float = 30.0, echo=print) -> Policy:
         """Start (or reconcile) every component of the policy and wait until all are healthy.
 
+        The policy is validated and its nginx config tested (``nginx -t``) before any
+        process is touched; a failure later stops what this call started and leaves the
+        previous policy recorded as the running one.
+
         Raises:
             PolicyError: the policy file is invalid.
             StackError: a component did not start or did not become healthy within ``timeout`` s.
@@ -205,19 +243,23 @@ class Stack:
         policy = load_policy(policy_path)
         for d in (self.pids, self.logs):
             d.mkdir(parents=True, exist_ok=True)
-        self.state_file.write_text(json.dumps({"policy": str(Path(policy_path).resolve())}) + "\n")
+        self.nginx.test(render(policy, self.nginx.lua_dir))
+        if not self.nginx.pid() or policy.gateway.listen != self._running_listen():
+            host, _, port = policy.gateway.listen.rpartition(":")
+            if _port_open(host, int(port)):
+                raise StackError(f"gateway: {policy.gateway.listen} is already in use by another program")
 
         started: list[str] = []
         try:
             result = self.start_redis(policy)
             echo(f"redis     {result}")
-            if result == "started":
+            if result in ("started", "restarted"):
                 started.append("redis")
             sims = [n for n in policy.nodes() if n.simulate]
             for node in sims:
                 result = self.start_sim(policy, node)
                 echo(f"sim-{node.id:<5} {result}")
-                if result == "started":
+                if result in ("started", "restarted"):
                     started.append(f"sim-{node.id}")
             wanted = {f"sim-{n.id}" for n in sims}
             for f in sorted(self.pids.glob("sim-*.pid")):
@@ -231,6 +273,7 @@ class Stack:
             for name in reversed(started):
                 self._stop_pid(name, "redis-server" if name == "redis" else "kvgate")
             raise
+        self.state_file.write_text(json.dumps({"policy": str(Path(policy_path).resolve())}) + "\n")
         return policy
 
     def _wait_healthy(self, policy: Policy, sims: list[NodeConfig], timeout: float) -> None:

@@ -170,21 +170,28 @@ function _M.log(cfg, ctx)
         return
     end
     local body = concat(ctx.buf)
-    local value
+    local value, obj
     if ctx.sse then
-        local obj = sse.to_completion(body, ctx.endpoint)
+        obj = sse.to_completion(body, ctx.endpoint)
         if not obj then
             return
         end
         value = cjson.encode(obj)
     else
-        local obj = cjson.decode(body)
+        obj = cjson.decode(body)
         if type(obj) ~= "table" or type(obj.choices) ~= "table" or obj.error then
             return
         end
         value = body
     end
+    -- A hit must carry the token usage clients account with; a stream sent without
+    -- stream_options.include_usage has none, so it is served but not stored.
+    if type(obj.usage) ~= "table" then
+        metrics.incr("kvgate_cache_store_skipped_total", { reason = "no-usage" })
+        return
+    end
     if not value or #value > cfg.cache.max_entry_bytes then
+        metrics.incr("kvgate_cache_store_skipped_total", { reason = "too-large" })
         return
     end
     local ok, err = ngx.timer.at(0, write, cfg.redis, ctx.cache_key, value, cfg.cache.ttl_s)

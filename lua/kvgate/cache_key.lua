@@ -21,6 +21,8 @@ local find = string.find
 
 local _M = {}
 
+local MAX_EXACT_INT = 2 ^ 53
+
 -- Fields that do not change the answer: transport (`stream`, `stream_options`:
 -- a hit is replayed in either form) and the end-user id (`user`, which OpenAI
 -- uses for abuse monitoring; tenants scope the cache instead).
@@ -72,9 +74,16 @@ function _M.cacheable(req, endpoint, cache_control)
     if no_store(cache_control) then
         return false, "no-store"
     end
-    local seeded = type(req.seed) == "number"
+    local seed = req.seed
+    local seeded = type(seed) == "number"
     if not (req.temperature == 0 or seeded) then
         return false, "not-deterministic"
+    end
+    -- JSON numbers decode to doubles: seeds past 2^53 collide (2^53 and 2^53+1 hash
+    -- alike) although a sampling engine tells them apart, so such a seed cannot key a
+    -- cache (greedy decoding at temperature 0 ignores the seed).
+    if seeded and req.temperature ~= 0 and (seed >= MAX_EXACT_INT or seed <= -MAX_EXACT_INT or seed % 1 ~= 0) then
+        return false, "seed-imprecise"
     end
     if endpoint == "chat" and type(req.messages) == "table" then
         for i = 1, #req.messages do

@@ -26,6 +26,8 @@ local match = string.match
 
 local _M = {}
 
+local MAX_HEADERS = 100
+
 local ENDPOINTS = {
     ["/v1/chat/completions"] = "chat",
     ["/v1/completions"] = "completions",
@@ -57,9 +59,11 @@ local function is_json(ct)
     return match(ct, "^%s*application/json%s*$") ~= nil or match(ct, "^%s*application/json%s*;") ~= nil
 end
 
-local function get_session_header(pool)
-    return function()
-        return var[pool.session_var]
+local function get_session_header()
+    return function(name)
+        -- ngx.var.http_* holds only the first of repeated headers; get_headers returns
+        -- them all (a table), so route_key can check every value that is forwarded
+        return ngx.req.get_headers(MAX_HEADERS)[name]
     end
 end
 
@@ -72,6 +76,7 @@ function _M.access()
         return errors.send(404, "Unknown path " .. var.uri, "not_found")
     end
     if ngx.req.get_method() ~= "POST" then
+        ngx.header["Allow"] = "POST"
         return errors.send(405, "Use POST for " .. var.uri, "method_not_allowed")
     end
     if not is_json(var.content_type) then
@@ -88,7 +93,8 @@ function _M.access()
         return errors.send(400, "The request body is empty; expected a JSON object", "invalid_json")
     end
     local req, derr = cjson.decode(body)
-    if type(req) ~= "table" or req[1] ~= nil then
+    -- cjson decodes [] and {} alike: the first byte tells an object from an array
+    if type(req) ~= "table" or not find(body, "^%s*{") then
         return errors.send(400, "The request body is not a valid JSON object" ..
             (derr and (": " .. derr) or ""), "invalid_json")
     end
@@ -101,7 +107,7 @@ function _M.access()
         return errors.send(404, "The model `" .. model .. "` does not exist", "model_not_found", "model")
     end
     local pool = cfg.pools[pool_name]
-    local key, kind, kerr, shared_only = route_key.compute(req, endpoint, get_session_header(pool), pool,
+    local key, kind, kerr, shared_only = route_key.compute(req, endpoint, get_session_header(), pool,
         cfg.fallback_route_key)
     if not key then
         return errors.send(400, kerr, "invalid_session_id")
@@ -218,6 +224,11 @@ function _M.too_large()
         "request_too_large")
 end
 
+--- header_too_large(): content for nginx's own 494 (a header over large_client_header_buffers)
+function _M.header_too_large()
+    return errors.send(400, "A request header is too large", "request_header_too_large")
+end
+
 --- not_found(): content for any path the gateway does not serve
 function _M.not_found()
     return errors.send(404, "Unknown path " .. var.uri, "not_found")
@@ -225,6 +236,11 @@ end
 
 --- models(): GET /v1/models from the config
 function _M.models()
+    local method = ngx.req.get_method()
+    if method ~= "GET" and method ~= "HEAD" then
+        ngx.header["Allow"] = "GET, HEAD"
+        return errors.send(405, "Use GET for /v1/models", "method_not_allowed")
+    end
     ngx.header["Content-Type"] = "application/json"
     local data = {}
     for i, m in ipairs(config.get().model_list) do

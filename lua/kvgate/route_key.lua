@@ -47,6 +47,14 @@ function _M.compute(req, endpoint, get_header, pool, fallback)
         if src == "session" then
             local v = get_header(pool.session_header)
             if type(v) == "table" then
+                -- repeated header: the first value routes, but every value is forwarded,
+                -- so each must be valid
+                for j = 2, #v do
+                    local ok, why = _M.check_session(v[j])
+                    if not ok then
+                        return nil, nil, pool.session_header .. " header " .. why
+                    end
+                end
                 v = v[1]
             end
             if type(v) == "string" and v ~= "" then

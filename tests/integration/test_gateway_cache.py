@@ -157,3 +157,48 @@ def test_cache_disabled_bypasses(start_sims, start_redis, start_gateway) -> None
     gw = start_gateway(start_sims(1, prefix="x"), start_redis(), cache={"enabled": False})
     for _ in range(2):
         assert _ask(gw, "no cache here").headers["X-Kvgate-Cache"] == "BYPASS"
+
+
+def test_stream_without_usage_is_not_stored_so_hits_always_carry_usage(fleet_clean: Gateway) -> None:
+    messages = [{"role": "user", "content": "no usage requested"}]
+    client = openai.OpenAI(base_url=fleet_clean.url + "/v1", api_key="unused")
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=5, stream=True) if c.choices)
+    assert text
+    time.sleep(0.5)
+    assert list(fleet_clean.redis.client().scan_iter("kvgate:resp:*")) == []
+    assert fleet_clean.metric_sum("kvgate_cache_store_skipped_total", reason="no-usage") >= 1
+    # the JSON answer is stored and then serves both kinds of client with usage
+    first = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, temperature=0,
+                                                             max_tokens=5)
+    assert first.headers["X-Kvgate-Cache"] == "MISS"
+    wait_cached(fleet_clean, 1)
+    hit = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, temperature=0,
+                                                           max_tokens=5)
+    assert hit.headers["X-Kvgate-Cache"] == "HIT"
+    assert hit.parse().usage.completion_tokens == 5
+    assert hit.parse().choices[0].message.content == text
+
+
+def test_seed_beyond_double_precision_is_not_cached(fleet_clean: Gateway) -> None:
+    big = 2 ** 53
+    for seed in (big, big + 1):
+        r = _ask(fleet_clean, "seeded", temperature=0.9, seed=seed)
+        assert r.status_code == 200 and r.headers["X-Kvgate-Cache"] == "BYPASS", r.headers
+    ok = _ask(fleet_clean, "seeded", temperature=0.9, seed=big - 1)
+    assert ok.headers["X-Kvgate-Cache"] == "MISS"
+
+
+def test_repeated_session_header_with_a_bad_value_is_rejected(fleet_clean: Gateway) -> None:
+    host, port = fleet_clean.listen.rsplit(":", 1)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                  b"Content-Type: application/json\r\nX-Session-Id: good\r\nX-Session-Id: " + b"x" * 300 +
+                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+    head, _, payload = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400")
+    assert b'"code":"invalid_session_id"' in payload

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import requests
 
 pytestmark = pytest.mark.integration
 
@@ -79,3 +80,54 @@ def test_status_with_nothing_running(tmp_path):
     proc = kvgate(tmp_path / "run", "status")
     assert proc.returncode == 1
     assert "nothing runs under" in proc.stdout
+
+
+def test_changed_policy_restarts_only_what_changed(tmp_path):
+    gw, rd, rd2, node = free_port(), free_port(), free_port(), free_port()
+    policy = tmp_path / "p.yaml"
+    write_policy(policy, gw, rd, node)
+    run_dir = tmp_path / "run"
+    try:
+        assert kvgate(run_dir, "up", str(policy)).returncode == 0
+        sim_pid = (run_dir / "pids" / "sim-a.pid").read_text()
+
+        policy.write_text(policy.read_text().replace("time_scale: 0.01", "time_scale: 0.02"))
+        out = kvgate(run_dir, "up", str(policy))
+        assert out.returncode == 0, out.stderr
+        assert "sim-a     restarted" in out.stdout and "redis     running" in out.stdout
+        assert (run_dir / "pids" / "sim-a.pid").read_text() != sim_pid
+
+        policy.write_text(policy.read_text().replace(f"redis://127.0.0.1:{rd}/0", f"redis://127.0.0.1:{rd2}/0"))
+        out = kvgate(run_dir, "up", str(policy))
+        assert out.returncode == 0, out.stderr
+        assert "redis     restarted" in out.stdout and "sim-a     running" in out.stdout
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", rd), timeout=1).close()
+        assert kvgate(run_dir, "status").returncode == 0
+    finally:
+        kvgate(run_dir, "down")
+
+
+def test_failed_up_keeps_the_running_policy(tmp_path):
+    gw, rd, node = free_port(), free_port(), free_port()
+    good = tmp_path / "good.yaml"
+    write_policy(good, gw, rd, node)
+    run_dir = tmp_path / "run"
+    try:
+        assert kvgate(run_dir, "up", str(good)).returncode == 0
+        # a policy nginx cannot serve: its listen address is taken by another program
+        busy = free_port()
+        bad = tmp_path / "bad.yaml"
+        write_policy(bad, busy, rd, node)
+        with socket.socket() as squatter:
+            squatter.bind(("127.0.0.1", busy))
+            squatter.listen()
+            out = kvgate(run_dir, "up", str(bad))
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "Traceback" not in out.stderr
+        st = kvgate(run_dir, "status")
+        assert st.returncode == 0, st.stdout
+        assert f"http://127.0.0.1:{gw}" in st.stdout
+        assert requests.get(f"http://127.0.0.1:{gw}/kvgate/health", timeout=2).status_code == 200
+    finally:
+        kvgate(run_dir, "down")

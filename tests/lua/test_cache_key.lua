@@ -94,4 +94,14 @@ H.test("cacheability", function()
     H.eq(c([[{"temperature":0,"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}]]), false)
 end)
 
+H.test("a seed past 2^53 cannot make a request cacheable (doubles collide there)", function()
+    local function c(t) return cache_key.cacheable(cjson.decode(t), "chat") end
+    H.eq((c([[{"temperature":0.7,"seed":9007199254740991,"messages":[]}]])), true)
+    local ok, why = c([[{"temperature":0.7,"seed":9007199254740992,"messages":[]}]])
+    H.eq(ok, false); H.eq(why, "seed-imprecise")
+    H.eq((c([[{"temperature":0.7,"seed":1.5,"messages":[]}]])), false)
+    -- temperature 0 is deterministic whatever the seed
+    H.eq((c([[{"temperature":0,"seed":9007199254740993,"messages":[]}]])), true)
+end)
+
 H.done()

@@ -130,6 +130,11 @@ H.test("bad session header is an error", function()
     H.eq(k, nil); H.truthy(err)
     k = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = string.rep("a", 256) }), POOL, FALLBACK)
     H.truthy(k)
+    -- a repeated header routes by its first value, but every value is forwarded: all must be valid
+    k, kind = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = { "s1", "s2" } }), POOL, FALLBACK)
+    H.eq(k, "s:s1"); H.eq(kind, "session")
+    k, kind, err = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = { "s1", "a\2b" } }), POOL, FALLBACK)
+    H.eq(k, nil); H.truthy(err)
 end)
 
 H.test("canonical() with a limit gives the same window and offsets as without", function()

@@ -74,6 +74,19 @@ def test_cross_checks():
     assert "pools[1].nodes[0].id: node id 'a' is already used by pools[0].nodes[0]" in found
 
 
+def test_listener_collisions():
+    clash = MINIMAL + 'gateway: {listen: "127.0.0.1:9001"}\n'
+    assert "pools[0].nodes[0].url: 127.0.0.1:9001 is also gateway.listen" in issues(clash)
+    clash = MINIMAL + 'redis: {url: "redis://127.0.0.1:9001/0"}\n'
+    assert "pools[0].nodes[0].url: 127.0.0.1:9001 is also redis.url" in issues(clash)
+    two = MINIMAL + """  - name: q
+    models: [n]
+    nodes:
+      - {id: b, url: "http://127.0.0.1:9001"}
+"""
+    assert "pools[1].nodes[0].url: 127.0.0.1:9001 is also pools[0].nodes[0].url" in issues(two)
+
+
 def test_yaml_syntax_error_has_position():
     found = issues("pools: [\n  - name: x\n")
     assert found and "YAML syntax error" in found[0] and "line" in found[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,8 @@ def render_table(reports: dict[str, PolicyReport], baseline: str | None) -> Tabl
         base = reports[baseline].prefill_total
 
         def saved(r: PolicyReport) -> str:
+            if r is reports[baseline]:
+                return "(baseline)"
             delta = base - r.prefill_total
             return f"{_fmt_tokens(delta)} ({delta / base:.1%})" if base else "-"
 
@@ -97,6 +100,13 @@ def replay_command(ctx: click.Context, trace_path: Path, policy_path: Path | Non
     if bad or not names:
         raise click.BadParameter(f"unknown balancer(s) {bad}; choose from {', '.join(BALANCERS)}",
                                  param_hint="--policies")
+    if len(set(names)) != len(names):
+        raise click.BadParameter(f"a balancer is listed twice: {balancers}", param_hint="--policies")
+    if json_path is not None:
+        parent = json_path.resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise click.BadParameter(f"cannot write {json_path}: {parent} is not a writable folder",
+                                     param_hint="--json")
     try:
         trace = load_trace(trace_path, limit)
     except (ValueError, OSError) as exc:
@@ -109,6 +119,13 @@ def replay_command(ctx: click.Context, trace_path: Path, policy_path: Path | Non
     pool = policy.pools[0]
     nodes = pool.nodes
     gateway = f"http://{policy.gateway.listen}"
+    if not stack.nginx.pid():
+        click.echo(f"error: the gateway of {stack.run_dir} is not running; start it with `kvgate up`", err=True)
+        sys.exit(1)
+    down = [n.id for n in nodes if not stack.http_healthy(f"{n.url}/health")]
+    if down:
+        click.echo(f"error: node(s) not healthy: {', '.join(down)} (see `kvgate status`)", err=True)
+        sys.exit(1)
     span = (trace[-1].timestamp_s - trace[0].timestamp_s) / speedup
     console.print(f"replaying {len(trace)} requests of {trace_path.name} (~{span:.0f} s each at speedup "
                   f"{speedup:g}) through {gateway} to {len(nodes)} nodes; balancers: {', '.join(names)}")

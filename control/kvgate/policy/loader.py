@@ -50,7 +50,7 @@ def _path(loc: tuple[Any, ...]) -> str:
 def _reason(err: dict[str, Any]) -> str:
     kind = err.get("type", "")
     if kind == "extra_forbidden":
-        return "unknown field (check the spelling; see docs/policy.md)"
+        return "unknown field (check the spelling; see docs/policy-reference.md)"
     if kind == "missing":
         return "required field is missing"
     msg = str(err.get("msg", "invalid value"))
@@ -81,8 +81,15 @@ def parse_policy(data: Any, source: str = "<policy>") -> Policy:
 
 
 def cross_check(policy: Policy) -> list[PolicyIssue]:
-    """Rules that span fields: unique pool names and node ids, each model in one pool."""
+    """Rules that span fields: unique pool names, node ids and addresses, each model in one
+    pool, and no two listeners (gateway, Redis, simulated nodes) on one address."""
     issues: list[PolicyIssue] = []
+    listeners: dict[str, str] = {policy.gateway.listen: "gateway.listen"}
+    if policy.redis.managed:
+        raddr = f"{policy.redis.host}:{policy.redis.port}"
+        if raddr in listeners:
+            issues.append(PolicyIssue("redis.url", f"{raddr} is also {listeners[raddr]}"))
+        listeners.setdefault(raddr, "redis.url")
     pools: dict[str, int] = {}
     models: dict[str, str] = {}
     node_ids: dict[str, str] = {}
@@ -100,6 +107,9 @@ def cross_check(policy: Policy) -> list[PolicyIssue]:
             if node.id in node_ids:
                 issues.append(PolicyIssue(f"{here}.id", f"node id {node.id!r} is already used by {node_ids[node.id]}"))
             node_ids.setdefault(node.id, here)
+            if node.address in listeners:
+                issues.append(PolicyIssue(f"{here}.url", f"{node.address} is also {listeners[node.address]}"))
+            listeners.setdefault(node.address, f"{here}.url")
     return issues
 
 

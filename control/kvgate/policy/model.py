@@ -1,6 +1,6 @@
 """The routing policy: the operator's interface to kvgate, as a typed, validated model.
 
-Every field carries a description; ``docs/policy.md`` documents the same fields.
+Every field carries a description; ``docs/policy-reference.md`` documents the same fields.
 The model is strict: unknown keys are errors (a typo must not silently fall back
 to a default), and cross-field rules (unique node ids, one pool per model) are
 checked after the fields themselves.
@@ -12,7 +12,7 @@ import re
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 AffinityKey = Literal["session", "user", "prefix"]
 Balancer = Literal["chash", "round_robin", "least_conn"]
@@ -98,7 +98,7 @@ class RedisConfig(_Strict):
 
 
 class CacheConfig(_Strict):
-    """The exact response cache (DESIGN.md, Response cache)."""
+    """The exact response cache in Redis (docs/gateway.md, Response cache)."""
 
     enabled: bool = Field(True, description="Look up and store deterministic responses in Redis.")
     ttl_s: int = Field(3600, ge=1, description="Lifetime of a cached response (seconds).")
@@ -170,9 +170,9 @@ class PoolConfig(_Strict):
     session_header: str = Field("X-Session-Id", description="Header carrying the client's session id.")
     prefix_chars: int = Field(
         2048, ge=64, le=1_000_000,
-        description="Window of the canonical prompt hashed into the prefix fingerprint (characters). It never "
-        "extends past the end of the first user message. A window covering only a system prompt shared "
-        "by everyone sends all traffic to one node.",
+        description="Window of the canonical prompt hashed into the prefix fingerprint (bytes of UTF-8). It never "
+        "extends past the end of the first user message. Make it longer than any system prompt (plus tools) "
+        "that many conversations share: a window covering only that sends them all to one node.",
     )
     nodes: list[NodeConfig] = Field(min_length=1, description="The pool's inference servers.")
 
@@ -196,15 +196,6 @@ class PoolConfig(_Strict):
         if len(set(v)) != len(v):
             raise ValueError("affinity keys must not repeat")
         return v
-
-    @model_validator(mode="after")
-    def _unique_nodes(self) -> "PoolConfig":
-        seen: set[str] = set()
-        for node in self.nodes:
-            if node.address in seen:
-                raise ValueError(f"node address {node.address} appears twice in pool {self.name!r}")
-            seen.add(node.address)
-        return self
 
 
 class SimulatorConfig(_Strict):
