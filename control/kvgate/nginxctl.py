@@ -41,6 +41,16 @@ def _emerg(text: str) -> str:
     return "\n".join(picked or lines[-5:])
 
 
+def find_binary(name: str, package: str) -> str:
+    """Path of a system binary: ``$PATH`` first, then ``/usr/sbin`` and ``/usr/bin`` (a
+    non-login root shell may lack ``/usr/sbin``). Raises :class:`NginxError` naming the
+    Debian package to install."""
+    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
+    if not found:
+        raise NginxError(f"{name} is not installed (apt-get install {package}, or run `make setup`)")
+    return found
+
+
 class Nginx:
     """One private nginx instance under ``prefix``.
 
@@ -50,9 +60,9 @@ class Nginx:
         lua_dir: the folder with ``kvgate/*.lua`` (default: the repo's ``lua/``).
     """
 
-    def __init__(self, prefix: Path, nginx_bin: str = "nginx", lua_dir: Path | None = None):
+    def __init__(self, prefix: Path, nginx_bin: str | None = None, lua_dir: Path | None = None):
         self.prefix = Path(prefix).resolve()
-        self.nginx_bin = nginx_bin
+        self._nginx_bin = nginx_bin
         self.lua_dir = Path(lua_dir).resolve() if lua_dir else default_lua_dir()
         self.listen: str | None = None
         self.digest: str | None = None
@@ -61,6 +71,13 @@ class Nginx:
     def _dirs(self) -> None:
         for d in _DIRS:
             (self.prefix / d).mkdir(parents=True, exist_ok=True)
+
+    @property
+    def nginx_bin(self) -> str:
+        """The nginx executable, looked up on first use (raises :class:`NginxError` if missing)."""
+        if self._nginx_bin is None:
+            self._nginx_bin = find_binary("nginx", "nginx libnginx-mod-http-lua")
+        return self._nginx_bin
 
     def _run(self, *args: str, conf: str = CONF) -> subprocess.CompletedProcess:
         cmd = [self.nginx_bin, "-p", str(self.prefix) + "/", "-c", conf, *args]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -31,7 +30,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from .nginxctl import Nginx, NginxError
+from .nginxctl import Nginx, NginxError, find_binary
 from .render import render
 from .policy import NodeConfig, Policy, PolicyError, load_policy
 
@@ -154,9 +153,10 @@ class Stack:
         if _port_open(host, port):
             raise StackError(f"redis: port {host}:{port} is already in use by another program "
                              f"(set redis.managed: false to use an existing Redis)")
-        binary = shutil.which("redis-server")
-        if not binary:
-            raise StackError("redis: redis-server is not installed (run `make setup`)")
+        try:
+            binary = find_binary("redis-server", "redis-server")
+        except NginxError as exc:
+            raise StackError(f"redis: {exc}") from None
         rdir = self.run_dir / "redis"
         rdir.mkdir(parents=True, exist_ok=True)
         subprocess.run(

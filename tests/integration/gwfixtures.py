@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -36,14 +35,20 @@ pytestmark = pytest.mark.integration
 
 MODEL = "m"
 
-if shutil.which("nginx") is None or shutil.which("redis-server") is None:  # pragma: no cover
-    pytest.exit("integration tests need nginx (with libnginx-mod-http-lua) and redis-server", 2)
+if not all(shutil.which(b) or shutil.which(b, path="/usr/sbin:/usr/bin") for b in ("nginx", "redis-server")):  # pragma: no cover
+    pytest.exit("integration tests need nginx (with libnginx-mod-http-lua) and redis-server: run `make setup`", 2)
 
 
 def free_port() -> int:
     with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def kvgate_cli(run_dir: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the real ``kvgate`` CLI (``python -m kvgate --run-dir RUN_DIR ...``) as a user would."""
+    return subprocess.run([sys.executable, "-m", "kvgate", "--run-dir", str(run_dir), *args],
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _wait(pred: Callable[[], bool], timeout: float, what: str) -> None:

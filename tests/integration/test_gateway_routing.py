@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import collections
-import time
 
 import requests
 
-from gwfixtures import MODEL, Gateway, sims_total
+from gwfixtures import MODEL, Gateway
 
 
 def _node(resp: requests.Response) -> str:

@@ -2,24 +2,14 @@
 
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 import requests
 
+from gwfixtures import free_port
+from gwfixtures import kvgate_cli as kvgate
+
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def kvgate(run_dir, *args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "kvgate", "--run-dir", str(run_dir), *args],
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def write_policy(path, gw, rd, node):

@@ -1,9 +1,6 @@
 """`kvgate up / status / replay / down` end to end, as a user runs them (real processes)."""
 
 import json
-import socket
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -13,18 +10,10 @@ import requests
 REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
+from gwfixtures import free_port
+from gwfixtures import kvgate_cli as kvgate
+
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def kvgate(run_dir, *args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "kvgate", "--run-dir", str(run_dir), *args],
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def conversation_subset(path: Path, n: int) -> list[dict]:
