@@ -40,6 +40,7 @@ def render_table(reports: dict[str, PolicyReport], baseline: str | None) -> Tabl
         ("load imbalance (max ÷ mean prefill/node)", lambda r: f"{r.imbalance:.2f}"),
         ("TTFT p50 at the client", lambda r: f"{r.ttft_p50_s * 1000:.0f} ms"),
         ("TTFT p99 at the client", lambda r: f"{r.ttft_p99_s * 1000:.0f} ms"),
+        ("TTFT mean at the engines (vLLM histogram)", lambda r: f"{r.engine_ttft_mean_s * 1000:.0f} ms"),
         ("prefill tokens computed", lambda r: _fmt_tokens(r.prefill_total)),
     ]
     for label, fn in rows:

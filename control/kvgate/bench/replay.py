@@ -34,7 +34,9 @@ HITS = "vllm:prefix_cache_hits_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
-_COUNTERS = (QUERIES, HITS, PROMPT_TOKENS)
+TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
+TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+_COUNTERS = (QUERIES, HITS, PROMPT_TOKENS, TTFT_SUM, TTFT_COUNT)
 
 REPORT_KEYS = ("requests_ok", "requests_failed", "hit_ratio", "ceiling", "ratio_to_ceiling",
                "imbalance", "ttft_p50_s", "ttft_p99_s")
@@ -62,6 +64,8 @@ class PolicyReport:
     ``hit_ratio``: token-weighted prefix-cache hits ÷ queries, summed over engines.
     ``imbalance``: max ÷ mean of prefill tokens computed (queries − hits) per engine.
     ``prefill_tokens``: prefill tokens computed per node id.
+    ``engine_ttft_mean_s``: mean TTFT the engines themselves recorded (vLLM histogram), which
+    leaves out the client and gateway share of ``ttft_*``.
     """
 
     requests_ok: int
@@ -73,6 +77,7 @@ class PolicyReport:
     ttft_p50_s: float
     ttft_p99_s: float
     prefill_tokens: dict[str, float] = field(default_factory=dict)
+    engine_ttft_mean_s: float = float("nan")
     errors: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, float | int]:
@@ -211,12 +216,14 @@ def _percentile(values: list[float], q: float) -> float:
 def build_report(results: list[RequestResult], before: dict[str, dict[str, float]],
                  after: dict[str, dict[str, float]], ceiling: float) -> PolicyReport:
     """Combine client results and engine counter deltas into a :class:`PolicyReport`."""
-    hits = queries = 0.0
+    hits = queries = ttft_sum = ttft_count = 0.0
     prefill: dict[str, float] = {}
     for node_id, a in after.items():
         b = before.get(node_id, {})
         dq = a.get(QUERIES, 0.0) - b.get(QUERIES, 0.0)
         dh = a.get(HITS, 0.0) - b.get(HITS, 0.0)
+        ttft_sum += a.get(TTFT_SUM, 0.0) - b.get(TTFT_SUM, 0.0)
+        ttft_count += a.get(TTFT_COUNT, 0.0) - b.get(TTFT_COUNT, 0.0)
         queries += dq
         hits += dh
         prefill[node_id] = dq - dh
@@ -234,6 +241,7 @@ def build_report(results: list[RequestResult], before: dict[str, dict[str, float
         ttft_p50_s=round(_percentile(ttfts, 50), 4),
         ttft_p99_s=round(_percentile(ttfts, 99), 4),
         prefill_tokens=prefill,
+        engine_ttft_mean_s=round(ttft_sum / ttft_count, 4) if ttft_count else float("nan"),
         errors=errors,
     )
 
