@@ -43,11 +43,11 @@ def _emerg(text: str) -> str:
 
 def find_binary(name: str, package: str) -> str:
     """Path of a system binary: ``$PATH`` first, then ``/usr/sbin`` and ``/usr/bin`` (a
-    non-login root shell may lack ``/usr/sbin``). Raises :class:`NginxError` naming the
+    non-login root shell may lack ``/usr/sbin``). Raises FileNotFoundError naming the
     Debian package to install."""
     found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
     if not found:
-        raise NginxError(f"{name} is not installed (apt-get install {package}, or run `make setup`)")
+        raise FileNotFoundError(f"{name} is not installed (apt-get install {package}, or run `make setup`)")
     return found
 
 
@@ -76,7 +76,10 @@ class Nginx:
     def nginx_bin(self) -> str:
         """The nginx executable, looked up on first use (raises :class:`NginxError` if missing)."""
         if self._nginx_bin is None:
-            self._nginx_bin = find_binary("nginx", "nginx libnginx-mod-http-lua")
+            try:
+                self._nginx_bin = find_binary("nginx", "nginx libnginx-mod-http-lua")
+            except FileNotFoundError as exc:
+                raise NginxError(str(exc)) from None
         return self._nginx_bin
 
     def _run(self, *args: str, conf: str = CONF) -> subprocess.CompletedProcess:
@@ -133,13 +136,17 @@ class Nginx:
                 or nginx failed to start/reload.
         """
         files = render(policy, self.lua_dir)
-        self.listen = policy.gateway.listen
-        self.digest = json.loads(files[DATA])["digest"]
         running = self.pid() is not None
         installed = self._installed()
         if running and all(installed.get(rel) == text for rel, text in files.items()):
+            self.listen = policy.gateway.listen
+            self.digest = json.loads(files[DATA])["digest"]
             return "unchanged"
         self.test(files)
+        previous = (self.listen, self.digest)
+        # reload()/start() wait for this config's digest on its address
+        self.listen = policy.gateway.listen
+        self.digest = json.loads(files[DATA])["digest"]
         conf_dir = self.prefix / "conf"
         if running:
             for rel, old in installed.items():
@@ -156,6 +163,7 @@ class Nginx:
                 self.reload()
             except NginxError:
                 self._rollback(installed)
+                self.listen, self.digest = previous
                 raise
             return "reloaded"
         self.start()

@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import requests
 
-from .nginxctl import Nginx, NginxError, find_binary
+from .nginxctl import Nginx, find_binary
 from .render import render
 from .policy import NodeConfig, Policy, PolicyError, load_policy
 
@@ -82,8 +82,14 @@ class Stack:
     def state_file(self) -> Path:
         return self.run_dir / "state.json"
 
+    @property
+    def running_policy_file(self) -> Path:
+        """A copy of the policy the stack runs, taken when ``up`` succeeded (the operator's
+        file may have been edited since)."""
+        return self.run_dir / "policy.yaml"
+
     def policy_path(self) -> Path | None:
-        """The policy file the running stack was started with, if any."""
+        """The operator's policy file the running stack was started from, if any."""
         try:
             return Path(json.loads(self.state_file.read_text())["policy"])
         except (OSError, ValueError, KeyError):
@@ -98,16 +104,32 @@ class Stack:
         return running.gateway.listen if running else None
 
     def load_running_policy(self) -> Policy | None:
-        path = self.policy_path()
-        return load_policy(path) if path else None
+        """The policy the stack runs (its copy in the run directory), or None if none was started.
+
+        Raises:
+            PolicyError: the copy no longer validates (a newer kvgate with stricter rules).
+        """
+        if self.running_policy_file.exists():
+            return load_policy(self.running_policy_file)
+        return None
 
     # ----------------------------------------------------------- pid files
     def _pid_file(self, name: str) -> Path:
         return self.pids / f"{name}.pid"
 
-    def _live_pid(self, name: str, marker: str) -> int | None:
-        """The pid recorded for ``name`` if that process still runs and its command line
-        contains ``marker``; a stale pid file is removed."""
+    def _is_ours(self, name: str, proc: psutil.Process) -> bool:
+        """Whether ``proc`` is the process ``name`` of this run directory — checked exactly, so
+        a reused pid (an editor, a shell, a test run) is never signalled."""
+        if name == "redis":
+            # redis-server rewrites its title; its working directory (--dir) is ours alone
+            return "redis-server" in proc.name() and Path(proc.cwd()) == self.run_dir / "redis"
+        if name.startswith("sim-"):
+            return proc.cmdline()[1:6] == ["-m", "kvgate", "sim", "--node-id", name[4:]]
+        return False
+
+    def _live_pid(self, name: str) -> int | None:
+        """The pid recorded for ``name`` if that process still runs and is ours
+        (:meth:`_is_ours`); a stale pid file is removed."""
         f = self._pid_file(name)
         try:
             pid = int(f.read_text().strip())
@@ -116,7 +138,7 @@ class Stack:
             return None
         try:
             proc = psutil.Process(pid)
-            alive = proc.status() != psutil.STATUS_ZOMBIE and marker in " ".join(proc.cmdline())
+            alive = proc.status() != psutil.STATUS_ZOMBIE and self._is_ours(name, proc)
         except psutil.Error:
             alive = False
         if not alive:
@@ -138,9 +160,9 @@ class Stack:
         address) or ``external`` (``redis.managed: false``; a Redis we had started is stopped).
         """
         host, port = policy.redis.host, policy.redis.port
-        pid = self._live_pid("redis", "redis-server")
+        pid = self._live_pid("redis")
         if pid and not policy.redis.managed:
-            self._stop_pid("redis", "redis-server")
+            self._stop_pid("redis")
             return "external"
         if not policy.redis.managed:
             return "external"
@@ -148,23 +170,26 @@ class Stack:
         if pid:
             if f"{host}:{port}" in " ".join(self._cmdline(pid)):
                 return "running"
-            self._stop_pid("redis", "redis-server")
+            self._stop_pid("redis")
             restarted = True
         if _port_open(host, port):
             raise StackError(f"redis: port {host}:{port} is already in use by another program "
                              f"(set redis.managed: false to use an existing Redis)")
         try:
             binary = find_binary("redis-server", "redis-server")
-        except NginxError as exc:
+        except FileNotFoundError as exc:
             raise StackError(f"redis: {exc}") from None
         rdir = self.run_dir / "redis"
         rdir.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
+        res = subprocess.run(
             [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no",
              "--daemonize", "yes", "--pidfile", str(self._pid_file("redis")),
              "--logfile", str(self.logs / "redis.log"), "--dir", str(rdir)],
-            check=True, stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
+        if res.returncode != 0:
+            raise StackError(f"redis: redis-server exited with {res.returncode}: {res.stdout.strip()[-500:]} "
+                             f"(see {self.logs / 'redis.log'})")
         # --daemonize returns before the daemon wrote its pid file; wait so `down` can find it.
         deadline = time.monotonic() + 5
         pid_file = self._pid_file("redis")
@@ -203,13 +228,13 @@ class Stack:
         when the policy changed them. Returns ``started``, ``running`` or ``restarted``."""
         name = f"sim-{node.id}"
         cmd = self.sim_command(policy, node)
-        pid = self._live_pid(name, "kvgate")
+        pid = self._live_pid(name)
         restarted = False
         if pid:
             # argv[0] may differ (a venv's python through a symlink); the arguments decide
             if self._cmdline(pid)[1:] == cmd[1:]:
                 return "running"
-            self._stop_pid(name, "kvgate")
+            self._stop_pid(name)
             restarted = True
         if _port_open(node.host, node.port):
             raise StackError(f"{name}: port {node.address} is already in use by another program")
@@ -228,12 +253,13 @@ class Stack:
             return False
 
     # ----------------------------------------------------------------- up
-    def up(self, policy_path: Path, timeout: float = 30.0, echo=print) -> Policy:
+    def up(self, policy_path: Path, timeout: float = 30.0, echo=print, restore: bool = True) -> Policy:
         """Start (or reconcile) every component of the policy and wait until all are healthy.
 
         The policy is validated and its nginx config tested (``nginx -t``) before any
-        process is touched; a failure later stops what this call started and leaves the
-        previous policy recorded as the running one.
+        process is touched. A failure later stops what this call started and, when
+        ``restore``, reconciles back to the previous running policy (best effort: a
+        warning is echoed if that fails too); the previous policy stays the running one.
 
         Raises:
             PolicyError: the policy file is invalid.
@@ -263,16 +289,25 @@ class Stack:
                     started.append(f"sim-{node.id}")
             wanted = {f"sim-{n.id}" for n in sims}
             for f in sorted(self.pids.glob("sim-*.pid")):
-                if f.stem not in wanted and self._stop_pid(f.stem, "kvgate"):
+                if f.stem not in wanted and self._stop_pid(f.stem):
                     echo(f"{f.stem:<9} stopped (no longer in the policy)")
             self._wait_healthy(policy, sims, timeout)
             echo(f"nginx     {self.nginx.apply(policy)}")
             self.nginx.wait_ready(policy.gateway.listen, timeout=timeout)
         except BaseException:
-            # Leave nothing half-started behind: stop what this call started (and only that).
+            # Leave nothing half-started behind: stop what this call started (and only that),
+            # then bring back what the previous policy ran (parts this call replaced).
             for name in reversed(started):
-                self._stop_pid(name, "redis-server" if name == "redis" else "kvgate")
+                self._stop_pid(name)
+            if restore and self.running_policy_file.exists():
+                try:
+                    self.up(self.running_policy_file, timeout=timeout, echo=lambda *_: None, restore=False)
+                except Exception as exc:  # the original failure is what the caller must see
+                    echo(f"warning: could not restore the previous policy: {exc}")
             raise
+        tmp = self.running_policy_file.with_suffix(".yaml.new")
+        tmp.write_text(Path(policy_path).read_text(encoding="utf-8"), encoding="utf-8")
+        os.replace(tmp, self.running_policy_file)
         self.state_file.write_text(json.dumps({"policy": str(Path(policy_path).resolve())}) + "\n")
         return policy
 
@@ -285,7 +320,7 @@ class Stack:
             if not pending and redis_ok:
                 return
             for name in pending:
-                if not self._live_pid(name, "kvgate"):
+                if not self._live_pid(name):
                     raise StackError(f"{name} exited at start; see {self.logs / (name + '.log')}")
             if time.monotonic() > deadline:
                 what = ", ".join(sorted(pending)) or f"redis at {policy.redis.url}"
@@ -293,8 +328,9 @@ class Stack:
             time.sleep(0.2)
 
     # --------------------------------------------------------------- down
-    def _stop_pid(self, name: str, marker: str, timeout: float = 10.0) -> bool:
-        pid = self._live_pid(name, marker)
+    def _stop_pid(self, name: str, timeout: float = 10.0) -> bool:
+        """SIGTERM the process ``name`` (if it runs and is ours), SIGKILL it after ``timeout`` s."""
+        pid = self._live_pid(name)
         if not pid:
             return False
         try:
@@ -307,6 +343,8 @@ class Stack:
                 proc.wait(5)
         except psutil.NoSuchProcess:
             pass
+        except psutil.Error as exc:
+            raise StackError(f"{name}: could not stop pid {pid}: {exc}") from None
         self._pid_file(name).unlink(missing_ok=True)
         return True
 
@@ -315,11 +353,12 @@ class Stack:
         if self.nginx.pid():
             self.nginx.stop()
             echo("nginx     stopped")
+        self.running_policy_file.unlink(missing_ok=True)
+        self.state_file.unlink(missing_ok=True)
         if self.pids.is_dir():
             for f in sorted(self.pids.glob("*.pid")):
                 name = f.stem
-                marker = "redis-server" if name == "redis" else "kvgate"
-                if self._stop_pid(name, marker):
+                if self._stop_pid(name):
                     echo(f"{name:<9} stopped")
                 else:
                     f.unlink(missing_ok=True)
@@ -332,12 +371,12 @@ class Stack:
         if policy is None:
             return out
         if policy.redis.managed:
-            pid = self._live_pid("redis", "redis-server")
+            pid = self._live_pid("redis")
             out.append(Component("redis", pid, self.redis_healthy(policy), policy.redis.url))
         else:
             out.append(Component("redis", None, self.redis_healthy(policy), f"{policy.redis.url} (external)"))
         for node in policy.nodes():
-            pid = self._live_pid(f"sim-{node.id}", "kvgate") if node.simulate else None
+            pid = self._live_pid(f"sim-{node.id}") if node.simulate else None
             kind = "sim" if node.simulate else "node"
             out.append(Component(f"{kind}-{node.id}", pid, self.http_healthy(f"{node.url}/health"), node.url))
         listen = policy.gateway.listen

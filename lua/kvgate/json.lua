@@ -10,6 +10,10 @@ local pairs = pairs
 local sort = table.sort
 local concat = table.concat
 local format = string.format
+local find = string.find
+local match = string.match
+local sub = string.sub
+local byte = string.byte
 local floor = math.floor
 local huge = math.huge
 local tostring = tostring
@@ -97,6 +101,90 @@ end
 function _M.canonical(v)
     local out = {}
     encode(v, out)
+    return concat(out)
+end
+
+-- Empty arrays. lua-cjson decodes `[]` to an empty table and encodes an empty table
+-- as `{}`, so a response decoded and re-encoded turns `"top_logprobs":[]` into
+-- `"top_logprobs":{}`, which OpenAI clients reject. Debian's lua-cjson 2.1.0 has no
+-- decode_array_with_array_mt / empty_array (those are OpenResty's fork), so
+-- decode_keep() replaces every empty array outside a string with the EMPTY_ARRAY
+-- string before decoding, and encode_keep() writes that string back as `[]`. Only a
+-- string value equal to EMPTY_ARRAY (NUL bytes included) could be mistaken for one.
+local EMPTY_ARRAY = "\0kvgate-empty-array\0"
+local EMPTY_JSON = encode_string(EMPTY_ARRAY)
+_M.EMPTY_ARRAY = EMPTY_ARRAY
+
+local function mark_empty_arrays(text)
+    if not find(text, "%[%s*%]") then
+        return text
+    end
+    local out, n = {}, 0
+    local start, pos = 1, 1
+    while true do
+        local i = find(text, '["%[]', pos)
+        if not i then
+            break
+        end
+        if byte(text, i) == 34 then
+            -- a string: skip to its closing quote (a `[]` inside it is text)
+            local j = i + 1
+            while true do
+                local k = find(text, '["\\]', j)
+                if not k then
+                    return text -- unterminated: cjson reports the error
+                end
+                if byte(text, k) == 92 then
+                    j = k + 2
+                else
+                    j = k + 1
+                    break
+                end
+            end
+            pos = j
+        else
+            local after = match(text, "^%[%s*%]()", i)
+            if after then
+                out[n + 1] = sub(text, start, i - 1)
+                out[n + 2] = EMPTY_JSON
+                n = n + 2
+                start = after
+                pos = after
+            else
+                pos = i + 1
+            end
+        end
+    end
+    out[n + 1] = sub(text, start)
+    return concat(out)
+end
+
+--- decode_keep(text) -> value | nil, err: cjson.decode, empty arrays kept as EMPTY_ARRAY
+function _M.decode_keep(text)
+    return cjson.decode(mark_empty_arrays(text))
+end
+
+--- encode_keep(v) -> JSON string | nil, err: cjson.encode, EMPTY_ARRAY written as `[]`
+function _M.encode_keep(v)
+    local s, err = cjson.encode(v)
+    if not s then
+        return nil, err
+    end
+    if not find(s, EMPTY_JSON, 1, true) then
+        return s
+    end
+    local out, n, pos = {}, 0, 1
+    while true do
+        local i, j = find(s, EMPTY_JSON, pos, true)
+        if not i then
+            break
+        end
+        out[n + 1] = sub(s, pos, i - 1)
+        out[n + 2] = "[]"
+        n = n + 2
+        pos = j + 1
+    end
+    out[n + 1] = sub(s, pos)
     return concat(out)
 end
 

@@ -121,3 +121,53 @@ def test_failed_up_keeps_the_running_policy(tmp_path):
         assert requests.get(f"http://127.0.0.1:{gw}/kvgate/health", timeout=2).status_code == 200
     finally:
         kvgate(run_dir, "down")
+
+
+def test_down_never_signals_a_process_that_only_looks_like_ours(tmp_path):
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    (run_dir / "pids").mkdir(parents=True)
+    # a stranger whose command line mentions kvgate, sim and the node id
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                                 "kvgate", "sim", "--node-id", "a"])
+    try:
+        (run_dir / "pids" / "sim-a.pid").write_text(f"{stranger.pid}\n")
+        (run_dir / "pids" / "redis.pid").write_text(f"{stranger.pid}\n")
+        out = kvgate(run_dir, "down")
+        assert out.returncode == 0
+        assert stranger.poll() is None, "down killed a process that was not ours"
+        assert not list((run_dir / "pids").glob("*.pid"))
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_failed_up_restores_what_it_replaced(tmp_path):
+    import psutil
+
+    gw, rd, node, busy = free_port(), free_port(), free_port(), free_port()
+    good = tmp_path / "good.yaml"
+    write_policy(good, gw, rd, node)
+    run_dir = tmp_path / "run"
+    try:
+        assert kvgate(run_dir, "up", str(good)).returncode == 0
+        # sim-a gets new settings (so it is restarted), then sim-b cannot start: busy port
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(good.read_text().replace("time_scale: 0.01", "time_scale: 0.02").replace(
+            "simulate: true}]", f'simulate: true}}, {{id: b, url: "http://127.0.0.1:{busy}", simulate: true}}]'))
+        with socket.socket() as squatter:
+            squatter.bind(("127.0.0.1", busy))
+            squatter.listen()
+            out = kvgate(run_dir, "up", str(bad))
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "sim-a     restarted" in out.stdout
+        assert f"sim-b: port 127.0.0.1:{busy} is already in use" in out.stderr
+        st = kvgate(run_dir, "status")
+        assert st.returncode == 0, st.stdout
+        pid = int((run_dir / "pids" / "sim-a.pid").read_text())
+        cmd = psutil.Process(pid).cmdline()
+        assert cmd[cmd.index("--time-scale") + 1] == "0.01"
+    finally:
+        kvgate(run_dir, "down")

@@ -31,7 +31,7 @@ def test_demo_policy_loads():
     assert p.gateway.listen == "127.0.0.1:8080"
     assert [n.id for n in p.nodes()] == ["n1", "n2", "n3", "n4"]
     assert p.pools[0].balancer == "chash"
-    assert p.pool_of_model("demo-model").name == "default"
+    assert p.pool_of_node("n3").name == "default"
     assert p.gateway.debug_headers is True
 
 
@@ -51,6 +51,7 @@ def test_defaults_fill_in():
     (MINIMAL.replace("{id: a,", "{id: a, weight: 0,"), "pools[0].nodes[0].weight", "greater than"),
     (MINIMAL + "gateway: {listen: nowhere}\n", "gateway.listen", "HOST:PORT"),
     (MINIMAL + "redis: {url: 'http://x:1'}\n", "redis.url", "redis://"),
+    (MINIMAL + "redis: {url: 'redis://:secret@127.0.0.1:6390/0'}\n", "redis.url", "not supported yet"),
     (MINIMAL + "cache: {ttl_s: -1}\n", "cache.ttl_s", "greater than"),
     (MINIMAL.replace("models: [m]", "models: [m]\n    affinty: [user]"), "pools[0].affinty", "unknown field"),
     (MINIMAL.replace("models: [m]", "models: [m]\n    affinity: [user, cookie]"), "pools[0].affinity[1]", "session"),

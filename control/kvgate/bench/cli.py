@@ -60,8 +60,9 @@ def render_table(reports: dict[str, PolicyReport], baseline: str | None) -> Tabl
 
 @click.command("replay")
 @click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Policy of the running stack [default: the one `kvgate up` started].")
+@click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=None, help="Use this policy's gateway, nodes and pools [default: the running stack's]; "
+              "the running policy is restored afterwards.")
 @click.option("--requests", "limit", type=click.IntRange(min=1), default=None,
               help="Replay only the first N requests.")
 @click.option("--policies", "balancers", default="round_robin,chash", show_default=True,
@@ -88,14 +89,16 @@ def replay_command(ctx: click.Context, trace_path: Path, policy_path: Path | Non
 
     console = Console(stderr=True)
     stack = Stack((ctx.obj or {}).get("run_dir"))
-    policy_path = policy_path or stack.policy_path()
-    if policy_path is None:
-        raise click.UsageError("no running stack found; start one with `kvgate up` or pass --policy")
     try:
-        policy = load_policy(policy_path)
+        running = stack.load_running_policy()
+        policy = load_policy(policy_path) if policy_path else running
     except PolicyError as exc:
         click.echo(f"error: invalid policy {exc}", err=True)
         sys.exit(2)
+    if policy is None:
+        raise click.UsageError(f"no running stack under {stack.run_dir}; start one with `kvgate up`")
+    # what nginx must run again afterwards: the stack's own policy, not a --policy override
+    restore_policy = running or policy
     names = [b.strip() for b in balancers.split(",") if b.strip()]
     bad = [b for b in names if b not in BALANCERS]
     if bad or not names:
@@ -169,7 +172,7 @@ def replay_command(ctx: click.Context, trace_path: Path, policy_path: Path | Non
         sys.exit(1)
     finally:
         try:
-            stack.nginx.apply(policy)
+            stack.nginx.apply(restore_policy)
         except NginxError as exc:
             click.echo(f"warning: could not restore the policy's balancer: {exc}", err=True)
 

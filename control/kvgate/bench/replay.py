@@ -53,7 +53,6 @@ class RequestResult:
     ok: bool
     status: int = 0
     ttft_s: float | None = None
-    node: str | None = None
     error: str | None = None
 
 
@@ -122,27 +121,36 @@ def reset_prefix_caches(nodes: list[NodeConfig]) -> None:
 
 
 def wait_engines_idle(nodes: list[NodeConfig], timeout: float = 60.0) -> None:
-    """Wait until no engine has running or waiting requests (so counters are final)."""
+    """Wait until no engine has running or waiting requests (so counters are final).
+
+    Raises:
+        ReplayError: an engine is still busy after ``timeout`` seconds (its counters would
+            still be moving; another client may be using the engines).
+    """
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(sum(scrape_engine(n).get(k, 0.0) for k in (RUNNING, WAITING)) == 0 for n in nodes):
+    while True:
+        busy = [n.id for n in nodes if sum(scrape_engine(n).get(k, 0.0) for k in (RUNNING, WAITING)) > 0]
+        if not busy:
             return
+        if time.monotonic() > deadline:
+            raise ReplayError(f"engine(s) {', '.join(busy)} still busy {timeout:.0f}s after the replay ended "
+                              "(is another client using them?)")
         time.sleep(0.2)
 
 
 # ------------------------------------------------------------------- client
 async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, sem: asyncio.Semaphore,
-                       timeout: aiohttp.ClientTimeout) -> RequestResult:
+                       timeout: aiohttp.ClientTimeout, t0: float) -> RequestResult:
+    """Send one streamed request; ``t0`` (``time.perf_counter()``) is when it was ready to
+    send, so a wait for a concurrency slot counts in its TTFT, as it would for a real client."""
     async with sem:
-        t0 = time.perf_counter()
         try:
             async with session.post(url, data=body, timeout=timeout, headers={
                 "Content-Type": "application/json", "Cache-Control": "no-store",
             }) as resp:
-                node = resp.headers.get("X-Kvgate-Node")
                 if resp.status != 200:
                     text = (await resp.text())[:200]
-                    return RequestResult(False, resp.status, node=node, error=f"HTTP {resp.status}: {text}")
+                    return RequestResult(False, resp.status, error=f"HTTP {resp.status}: {text}")
                 ttft = None
                 done = False
                 async for raw in resp.content:
@@ -157,13 +165,13 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, se
                         try:
                             chunk = json.loads(data)
                         except ValueError:
-                            return RequestResult(False, resp.status, node=node, error="bad SSE chunk")
+                            return RequestResult(False, resp.status, error="bad SSE chunk")
                         choices = chunk.get("choices") or []
                         if choices and (choices[0].get("delta") or {}).get("content"):
                             ttft = time.perf_counter() - t0
                 if not done:
-                    return RequestResult(False, resp.status, ttft, node, "stream ended without [DONE]")
-                return RequestResult(True, resp.status, ttft, node)
+                    return RequestResult(False, resp.status, ttft, "stream ended without [DONE]")
+                return RequestResult(True, resp.status, ttft)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return RequestResult(False, 0, error=f"{type(exc).__name__}: {exc}")
 
@@ -196,7 +204,7 @@ async def send_trace(gateway: str, model: str, trace: list[TraceRequest], speedu
                 "model": model, "messages": render_messages(req), "max_tokens": max_tokens,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             }).encode()
-            result = await _one_request(session, url, body, sem, timeout)
+            result = await _one_request(session, url, body, sem, timeout, time.perf_counter())
             if on_done:
                 on_done(result)
             return result

@@ -22,7 +22,6 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
 
 TRACE_BLOCK_TOKENS = 512
 
@@ -100,8 +99,3 @@ def render_messages(req: TraceRequest) -> list[dict[str, str]]:
     if len(texts) > 1:
         messages.append({"role": "user", "content": " ".join(texts[1:])})
     return messages
-
-
-def iter_rendered(requests: list[TraceRequest]) -> Iterator[tuple[TraceRequest, list[dict[str, str]]]]:
-    for req in requests:
-        yield req, render_messages(req)

@@ -1,4 +1,4 @@
-"""Generate the policy reference (docs/policy.md) from the model's field descriptions.
+"""Generate the policy reference (docs/policy-reference.md) from the model's field descriptions.
 
 ``python -m kvgate.policy.docs > docs/policy-reference.md`` rewrites it; a unit
 test fails when the file and the model disagree.

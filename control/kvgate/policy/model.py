@@ -79,6 +79,9 @@ class RedisConfig(_Strict):
         parts = urlsplit(v)
         if parts.scheme != "redis" or not parts.hostname or not parts.port:
             raise ValueError(f"expected redis://HOST:PORT/DB, got {v!r}")
+        if parts.username or parts.password:
+            raise ValueError("credentials in redis.url are not supported yet (the gateway does not AUTH); "
+                             "bind Redis to a private address instead")
         db = parts.path.lstrip("/") or "0"
         if not db.isdigit():
             raise ValueError(f"database must be a number, got {db!r}")
@@ -228,12 +231,6 @@ class Policy(_Strict):
     def nodes(self) -> list[NodeConfig]:
         """All nodes of all pools, in file order."""
         return [node for pool in self.pools for node in pool.nodes]
-
-    def pool_of_model(self, model: str) -> PoolConfig | None:
-        for pool in self.pools:
-            if model in pool.models:
-                return pool
-        return None
 
     def pool_of_node(self, node_id: str) -> PoolConfig:
         """The pool a node belongs to. Raises KeyError for an unknown id."""

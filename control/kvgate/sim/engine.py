@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import random
 import re
@@ -191,15 +192,22 @@ class Engine:
             if fut.done() and not fut.cancelled():
                 self._leave()  # the slot was handed over just as we were cancelled
             else:
-                self._waiting.remove(fut)
-                self._gauges()
+                # Cancelling the task cancelled ``fut``; between that and this task resuming,
+                # another request's ``_leave`` may already have popped (and skipped) it.
+                self._discard_waiting(fut)
             raise
+
+    def _discard_waiting(self, fut: asyncio.Future[None]) -> None:
+        """Drop a cancelled waiter from the queue; idempotent (``_leave`` may have popped it)."""
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(fut)
+        self._gauges()
 
     def _leave(self) -> None:
         self.num_running -= 1
         while self._waiting and self.num_running < self.config.max_num_seqs:
             fut = self._waiting.popleft()
-            if not fut.done():
+            if not fut.done():  # a cancelled waiter is skipped; its task drops it again harmlessly
                 self.num_running += 1
                 fut.set_result(None)
         self._gauges()

@@ -82,11 +82,6 @@ class PrefixCache:
         return len(self._pinned) + len(self._free)
 
     @property
-    def num_pinned_blocks(self) -> int:
-        """Blocks held by running sequences."""
-        return len(self._pinned)
-
-    @property
     def usage(self) -> float:
         """Fraction (0..1) of blocks held by running sequences.
 
