@@ -13,8 +13,12 @@ Two files come out, both relative to the nginx prefix:
     Redis, limits, and a ``digest`` of both files that ``GET /kvgate/health``
     reports, so a caller can tell when a reload has taken effect.
 
-Rendering is pure: the same policy and ``lua_dir`` always give the same bytes,
-which is how :meth:`kvgate.nginxctl.Nginx.apply` detects "unchanged".
+Rendering is deterministic but not pure: it resolves host names with
+``getaddrinfo`` (node hosts, so ``$upstream_addr`` maps back to node ids; the Redis
+host, because Lua cosockets resolve nothing without a ``resolver`` directive). The
+same policy, ``lua_dir`` and name resolution give the same bytes, which is how
+:meth:`kvgate.nginxctl.Nginx.apply` detects "unchanged"; a changed DNS answer shows
+as a changed config.
 """
 
 from __future__ import annotations
@@ -58,27 +62,67 @@ def _seconds(value: float) -> str:
     return f"{max(1, round(value * 1000))}ms"
 
 
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _resolve(host: str, port: int) -> list[str]:
+    """IP addresses of ``host`` (DNS or ``/etc/hosts``), IPv4 ones first, in resolver
+    order, without duplicates; ``[]`` if it does not resolve. An IP literal is returned
+    unchanged."""
+    if _is_ip(host):
+        return [host]
+    out: list[str] = []
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            infos = socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        for info in infos:
+            addr = str(info[4][0])
+            if addr not in out:
+                out.append(addr)
+    return out
+
+
 def _addresses(host: str, port: int) -> list[str]:
     """``HOST:PORT`` plus the IPv4 forms nginx will report in ``$upstream_addr``."""
     out = [f"{host}:{port}"]
-    try:
-        ipaddress.ip_address(host)
+    if _is_ip(host):
         return out
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
-    except OSError:
-        return out
-    for info in infos:
-        addr = f"{info[4][0]}:{port}"
-        if addr not in out:
+    for ip in _resolve(host, port):
+        addr = f"{ip}:{port}"
+        if ":" not in ip and addr not in out:
             out.append(addr)
     return out
 
 
+def redis_host(policy: Policy) -> str:
+    """The IP address the data path connects to for ``policy.redis``.
+
+    Lua cosockets cannot resolve a name unless nginx has a ``resolver`` directive
+    (none is rendered), so ``redis://localhost:6390/0`` would fail on every call: the
+    host is resolved here, IPv4 preferred; an IP literal is kept as written.
+
+    Raises:
+        ValueError: the host does not resolve (the message names ``redis.url``).
+    """
+    host, port = policy.redis.host, policy.redis.port
+    ips = _resolve(host, port)
+    if not ips:
+        raise ValueError(f"redis.url {policy.redis.url!r}: cannot resolve host {host!r} to an IP address")
+    return ips[0]
+
+
 def data_config(policy: Policy) -> dict[str, Any]:
-    """The ``kvgate.json`` content (without its ``digest``) as a dict."""
+    """The ``kvgate.json`` content (without its ``digest``) as a dict.
+
+    Resolves host names (see :func:`redis_host`); raises ``ValueError`` when the Redis
+    host does not resolve."""
     pools: dict[str, Any] = {}
     models: dict[str, str] = {}
     nodes_by_addr: dict[str, str] = {}
@@ -116,7 +160,7 @@ def data_config(policy: Policy) -> dict[str, Any]:
             "namespace_version": policy.cache.namespace_version,
         },
         "redis": {
-            "host": policy.redis.host,
+            "host": redis_host(policy),
             "port": policy.redis.port,
             "db": policy.redis.db,
             "timeout_ms": policy.redis.timeout_ms,
@@ -143,6 +187,9 @@ def render(policy: Policy, lua_dir: Path) -> dict[str, str]:
     Returns:
         ``{"conf/nginx.conf": text, "conf/kvgate.json": text}``, paths relative to
         the nginx prefix.
+
+    Raises:
+        ValueError: ``redis.url`` names a host that does not resolve.
     """
     lua_dir = Path(lua_dir).resolve()
     gw = policy.gateway

@@ -8,6 +8,7 @@
 -- Entries hold the final completion JSON (rebuilt from the chunks for streams),
 -- so a hit is replayed as SSE to a streaming client and as JSON otherwise.
 local cjson = require "cjson.safe"
+local json = require "kvgate.json"
 local cache_key = require "kvgate.cache_key"
 local sse = require "kvgate.sse"
 local kredis = require "kvgate.redis"
@@ -17,7 +18,6 @@ local ngx = ngx
 local type = type
 local concat = table.concat
 local find = string.find
-local tostring = tostring
 
 local _M = {}
 
@@ -39,16 +39,17 @@ local function cache_error(op, err)
     end
 end
 
---- lookup(cfg, ctx, req, endpoint, cache_control) -> cached completion JSON | nil
+--- lookup(cfg, ctx, req, endpoint, headers) -> cached completion JSON | nil
+-- headers: ngx.req.get_headers() (every Cache-Control header counts, not only the first).
 -- Sets ctx.cache (HIT|MISS|BYPASS), ctx.cache_reason and, on a miss, ctx.cache_key.
-function _M.lookup(cfg, ctx, req, endpoint, cache_control)
+function _M.lookup(cfg, ctx, req, endpoint, headers)
     ctx.cache = "BYPASS"
     local ccfg = cfg.cache
     if not ccfg.enabled then
         ctx.cache_reason = "disabled"
         return nil
     end
-    local ok, why = cache_key.cacheable(req, endpoint, cache_control)
+    local ok, why = cache_key.cacheable(req, endpoint, headers["cache-control"])
     if not ok then
         ctx.cache_reason = why
         return nil
@@ -83,7 +84,8 @@ end
 --- serve(ctx, entry, req, endpoint) -> sends the cached answer and ends the request
 function _M.serve(ctx, entry, req, endpoint)
     if req.stream == true then
-        local obj = cjson.decode(entry)
+        -- decode_keep: `[]` in the entry (e.g. top_logprobs) must replay as `[]`, not `{}`
+        local obj = json.decode_keep(entry)
         if type(obj) ~= "table" then
             cache_error("decode", "cached entry is not JSON")
             ctx.cache = "BYPASS"
@@ -121,6 +123,7 @@ function _M.header_filter(ctx)
 end
 
 --- body_filter(ctx, max_bytes): keep a copy of the body; give up past max_bytes
+-- (headers are gone by then, so the skip shows only in the metric)
 function _M.body_filter(ctx, max_bytes)
     if not ctx.capture then
         return
@@ -131,7 +134,7 @@ function _M.body_filter(ctx, max_bytes)
         if size > max_bytes then
             ctx.capture = false
             ctx.buf = nil
-            ctx.cache_reason = "too-large"
+            metrics.incr("kvgate_cache_store_skipped_total", { reason = "too-large" })
             return
         end
         ctx.size = size
@@ -159,7 +162,12 @@ local function last_status(s)
     return s and s:match("(%d+)%s*$")
 end
 
---- log(cfg, ctx, endpoint): store a complete 200 response (never a partial one)
+local function skipped(reason)
+    metrics.incr("kvgate_cache_store_skipped_total", { reason = reason })
+end
+
+--- log(cfg, ctx): store a complete 200 response (never a partial one); ctx.endpoint
+-- tells chat from completions when a stream is rebuilt
 function _M.log(cfg, ctx)
     -- A client abort still runs the log phase with status 200 and a partial buffer:
     -- only a body that reached eof, from a node that answered 200, is stored.
@@ -170,13 +178,20 @@ function _M.log(cfg, ctx)
         return
     end
     local body = concat(ctx.buf)
-    local value, obj
+    local value, obj, err
     if ctx.sse then
         obj = sse.to_completion(body, ctx.endpoint)
         if not obj then
+            -- no [DONE], an error chunk, or logprobs/tool calls that do not merge
+            skipped("bad-stream")
             return
         end
-        value = cjson.encode(obj)
+        value, err = json.encode_keep(obj)
+        if not value then
+            skipped("encode-error")
+            ngx.log(ngx.INFO, "kvgate cache: cannot encode the rebuilt stream: ", err)
+            return
+        end
     else
         obj = cjson.decode(body)
         if type(obj) ~= "table" or type(obj.choices) ~= "table" or obj.error then
@@ -187,11 +202,12 @@ function _M.log(cfg, ctx)
     -- A hit must carry the token usage clients account with; a stream sent without
     -- stream_options.include_usage has none, so it is served but not stored.
     if type(obj.usage) ~= "table" then
-        metrics.incr("kvgate_cache_store_skipped_total", { reason = "no-usage" })
+        skipped("no-usage")
         return
     end
-    if not value or #value > cfg.cache.max_entry_bytes then
-        metrics.incr("kvgate_cache_store_skipped_total", { reason = "too-large" })
+    -- a rebuilt stream is re-encoded, so its size is checked again
+    if #value > cfg.cache.max_entry_bytes then
+        skipped("too-large")
         return
     end
     local ok, err = ngx.timer.at(0, write, cfg.redis, ctx.cache_key, value, cfg.cache.ttl_s)

@@ -33,7 +33,6 @@ local function escape_scope(s)
         return format("%%%02X", byte(c))
     end))
 end
-_M.escape_scope = escape_scope
 
 --- material(req, endpoint, tenant, version) -> canonical string that is hashed
 function _M.material(req, endpoint, tenant, version)
@@ -69,7 +68,8 @@ end
 
 --- cacheable(req, endpoint, cache_control) -> true | false, reason
 -- Deterministic requests only: temperature == 0 or a seed; text only; no
--- `Cache-Control: no-store`.
+-- `Cache-Control: no-store`. cache_control: nil, a string, or a list of strings (one
+-- per Cache-Control header, as ngx.req.get_headers() gives repeated headers).
 function _M.cacheable(req, endpoint, cache_control)
     if no_store(cache_control) then
         return false, "no-store"
@@ -88,11 +88,8 @@ function _M.cacheable(req, endpoint, cache_control)
     if endpoint == "chat" and type(req.messages) == "table" then
         for i = 1, #req.messages do
             local m = req.messages[i]
-            if type(m) == "table" then
-                local _, non_text = prompt.content_text(m.content)
-                if non_text then
-                    return false, "non-text"
-                end
+            if type(m) == "table" and prompt.has_non_text(m.content) then
+                return false, "non-text"
             end
         end
     end

@@ -5,6 +5,7 @@ local cjson = require "cjson.safe"
 
 local io_open = io.open
 local type = type
+local pairs = pairs
 
 local _M = {}
 
@@ -32,6 +33,19 @@ function _M.load(path)
     end
     if type(cfg.pools) ~= "table" or type(cfg.models) ~= "table" then
         return nil, path .. ": missing pools/models"
+    end
+    -- per-pool facts the access phase needs on every request, derived once here
+    for _, pool in pairs(cfg.pools) do
+        if type(pool) ~= "table" or type(pool.affinity) ~= "table" then
+            return nil, path .. ": a pool has no affinity list"
+        end
+        pool.hashes_key = pool.balancer == "chash"
+        pool.uses_session = false
+        for i = 1, #pool.affinity do
+            if pool.affinity[i] == "session" then
+                pool.uses_session = true
+            end
+        end
     end
     current = cfg
     return cfg

@@ -59,22 +59,15 @@ local function is_json(ct)
     return match(ct, "^%s*application/json%s*$") ~= nil or match(ct, "^%s*application/json%s*;") ~= nil
 end
 
-local function get_session_header()
-    return function(name)
-        -- ngx.var.http_* holds only the first of repeated headers; get_headers returns
-        -- them all (a table), so route_key can check every value that is forwarded
-        return ngx.req.get_headers(MAX_HEADERS)[name]
-    end
-end
+-- read-only stand-in when neither the session affinity nor the cache needs headers
+local NO_HEADERS = {}
 
 --- access(): validate, route (pool + route key), cache lookup; may answer itself
 function _M.access()
     local cfg = config.get()
     local ctx = ngx.ctx
+    -- the location regex admits only these two URIs
     local endpoint = ENDPOINTS[var.uri]
-    if not endpoint then
-        return errors.send(404, "Unknown path " .. var.uri, "not_found")
-    end
     if ngx.req.get_method() ~= "POST" then
         ngx.header["Allow"] = "POST"
         return errors.send(405, "Use POST for " .. var.uri, "method_not_allowed")
@@ -107,8 +100,17 @@ function _M.access()
         return errors.send(404, "The model `" .. model .. "` does not exist", "model_not_found", "model")
     end
     local pool = cfg.pools[pool_name]
-    local key, kind, kerr, shared_only = route_key.compute(req, endpoint, get_session_header(), pool,
-        cfg.fallback_route_key)
+    -- One header table per request, and only when something reads it: $http_* holds
+    -- only the first of repeated headers, but every session value is forwarded (so all
+    -- are checked) and a no-store in any Cache-Control header counts. Lookups in it are
+    -- case-insensitive (ngx_lua's metatable).
+    local headers = NO_HEADERS
+    if pool.uses_session or cfg.cache.enabled then
+        headers = ngx.req.get_headers(MAX_HEADERS)
+    end
+    -- round_robin/least_conn do not read the key: only its kind is worked out
+    local key, kind, kerr, shared_only = route_key.compute(req, endpoint, headers, pool,
+        cfg.fallback_route_key, not pool.hashes_key)
     if not key then
         return errors.send(400, kerr, "invalid_session_id")
     end
@@ -120,7 +122,7 @@ function _M.access()
     ctx.endpoint = endpoint
     ctx.shared_prefix = shared_only
 
-    local entry = cache.lookup(cfg, ctx, req, endpoint, var.http_cache_control)
+    local entry = cache.lookup(cfg, ctx, req, endpoint, headers)
     if entry then
         cache.serve(ctx, entry, req, endpoint)
     end

@@ -10,7 +10,9 @@ local gsub = string.gsub
 local format = string.format
 local find = string.find
 local sub = string.sub
+local match = string.match
 local tostring = tostring
+local tonumber = tonumber
 
 local _M = {}
 
@@ -19,15 +21,21 @@ local DICT = "kvgate_metrics"
 _M.FAMILIES = {
     kvgate_requests_total = { "counter", "Requests handled for the OpenAI endpoints, by pool, node, status, cache outcome and route-key kind." },
     kvgate_upstream_response_seconds = { "histogram", "Time from sending the request to a node until its whole response arrived (nginx $upstream_response_time, last node tried)." },
-    kvgate_failovers_total = { "counter", "Requests that were retried on another node after an error, timeout, 502 or 503." },
+    kvgate_failovers_total = { "counter", "Requests passed to another node after a connection error, timeout, 502 or 503 from the first (POST included; never after a byte reached the client)." },
     kvgate_cache_errors_total = { "counter", "Response-cache operations that failed (the request was served as BYPASS or not stored)." },
     kvgate_cache_stores_total = { "counter", "Responses written to the response cache." },
+    kvgate_cache_store_skipped_total = { "counter", "200 responses to a cache miss that were served but not stored, by reason (too-large, no-usage, bad-stream, encode-error)." },
     kvgate_route_key_fallback_total = { "counter", "Requests that had none of the pool's affinity keys and used the fallback route key." },
     kvgate_route_key_shared_prefix_total = { "counter", "Prefix route keys whose window ended before the first user message's text: they cover only a system prompt/tools that many conversations share (a hot key; raise prefix_chars)." },
     kvgate_bad_requests_total = { "counter", "Requests rejected by the gateway before any node was contacted, by status." },
 }
 
 _M.BUCKETS = { 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300 }
+local NBUCKETS = #_M.BUCKETS
+local LE = {}
+for i = 1, NBUCKETS do
+    LE[i] = format("%g", _M.BUCKETS[i])
+end
 
 local function esc(v)
     return (gsub(tostring(v), '[\\"\n]', { ["\\"] = "\\\\", ['"'] = '\\"', ["\n"] = "\\n" }))
@@ -51,11 +59,7 @@ local function dict()
     return ngx.shared[DICT]
 end
 
-local function add(key, v)
-    local d = dict()
-    if not d then
-        return
-    end
+local function add(d, key, v)
     local _, err, forcible = d:incr(key, v, 0)
     if err then
         ngx.log(ngx.WARN, "kvgate metrics: ", err, " for ", key)
@@ -66,26 +70,36 @@ end
 
 --- incr(name, labels_table, v)
 function _M.incr(name, labels, v)
-    add(name .. _M.labels(labels), v or 1)
+    local d = dict()
+    if d then
+        add(d, name .. _M.labels(labels), v or 1)
+    end
 end
 
---- observe(name, labels_table, value) -> histogram sample (cumulative buckets)
+-- Histogram storage: one non-cumulative counter per bucket, key
+-- `<name>_bucket{labels}#<i>` (i = NBUCKETS + 1: above the last bound), plus
+-- `<name>_sum{labels}` and `<name>_count{labels}`; render() accumulates the buckets.
+-- An observation is 3 dict writes. Keys without `#` under `_bucket` are the cumulative
+-- layout of older versions (the dict survives a reload): render() skips them, so
+-- samples from before an upgrade-by-reload count only in +Inf, _sum and _count.
+
+--- observe(name, labels_table, value) -> one histogram sample
 function _M.observe(name, labels, value)
-    local base = {}
-    for k, v in pairs(labels) do
-        base[k] = v
+    local d = dict()
+    if not d then
+        return
     end
-    for i = 1, #_M.BUCKETS do
-        local le = _M.BUCKETS[i]
-        if value <= le then
-            base.le = format("%g", le)
-            add(name .. "_bucket" .. _M.labels(base), 1)
+    local l = _M.labels(labels)
+    local i = NBUCKETS + 1
+    for b = 1, NBUCKETS do
+        if value <= _M.BUCKETS[b] then
+            i = b
+            break
         end
     end
-    base.le = "+Inf"
-    add(name .. "_bucket" .. _M.labels(base), 1)
-    add(name .. "_sum" .. _M.labels(labels), value)
-    add(name .. "_count" .. _M.labels(labels), 1)
+    add(d, name .. "_count" .. l, 1)
+    add(d, name .. "_sum" .. l, value)
+    add(d, name .. "_bucket" .. l .. "#" .. i, 1)
 end
 
 local function family_of(key)
@@ -94,7 +108,7 @@ local function family_of(key)
     if _M.FAMILIES[name] then
         return name
     end
-    for _, suffix in pairs({ "_bucket", "_sum", "_count" }) do
+    for _, suffix in ipairs({ "_bucket", "_sum", "_count" }) do
         if sub(name, -#suffix) == suffix then
             local base = sub(name, 1, -#suffix - 1)
             if _M.FAMILIES[base] then
@@ -103,6 +117,65 @@ local function family_of(key)
         end
     end
     return name
+end
+
+local function num(v)
+    return format("%.17g", v)
+end
+
+-- with_le('{a="x"}', "0.5") -> '{a="x",le="0.5"}'
+local function with_le(l, le)
+    if l == "{}" then
+        return '{le="' .. le .. '"}'
+    end
+    return sub(l, 1, -2) .. ',le="' .. le .. '"}'
+end
+
+local function render_histogram(out, f, keys, d)
+    local series, order = {}, {}
+    local function get(l)
+        local s = series[l]
+        if not s then
+            s = { buckets = {} }
+            series[l] = s
+            order[#order + 1] = l
+        end
+        return s
+    end
+    local nb, ns, nc = #(f .. "_bucket"), #(f .. "_sum"), #(f .. "_count")
+    for _, k in ipairs(keys) do
+        local v = d:get(k)
+        if v then
+            if sub(k, 1, nb) == f .. "_bucket" then
+                local l, i = match(sub(k, nb + 1), "^(%b{})#(%d+)$")
+                if l then
+                    local s = get(l)
+                    s.buckets[tonumber(i)] = v
+                end
+            elseif sub(k, 1, ns) == f .. "_sum" then
+                get(sub(k, ns + 1)).sum = v
+            elseif sub(k, 1, nc) == f .. "_count" then
+                get(sub(k, nc + 1)).count = v
+            end
+        end
+    end
+    sort(order)
+    for _, l in ipairs(order) do
+        local s = series[l]
+        local cum = 0
+        for i = 1, NBUCKETS do
+            cum = cum + (s.buckets[i] or 0)
+            out[#out + 1] = f .. "_bucket" .. with_le(l, LE[i]) .. " " .. num(cum)
+        end
+        cum = cum + (s.buckets[NBUCKETS + 1] or 0)
+        local count = s.count or 0
+        if count < cum then
+            count = cum -- a render between an observation's writes
+        end
+        out[#out + 1] = f .. "_bucket" .. with_le(l, "+Inf") .. " " .. num(count)
+        out[#out + 1] = f .. "_sum" .. l .. " " .. num(s.sum or 0)
+        out[#out + 1] = f .. "_count" .. l .. " " .. num(count)
+    end
 end
 
 --- render() -> Prometheus text exposition format 0.0.4
@@ -132,10 +205,14 @@ function _M.render()
         local meta = _M.FAMILIES[f] or { "untyped", "" }
         out[#out + 1] = "# HELP " .. f .. " " .. meta[2]
         out[#out + 1] = "# TYPE " .. f .. " " .. meta[1]
-        for _, k in ipairs(by_family[f]) do
-            local v = d:get(k)
-            if v then
-                out[#out + 1] = k .. " " .. format("%.17g", v)
+        if meta[1] == "histogram" then
+            render_histogram(out, f, by_family[f], d)
+        else
+            for _, k in ipairs(by_family[f]) do
+                local v = d:get(k)
+                if v then
+                    out[#out + 1] = k .. " " .. num(v)
+                end
             end
         end
     end

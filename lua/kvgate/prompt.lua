@@ -16,16 +16,54 @@ local type = type
 local concat = table.concat
 local tostring = tostring
 local gsub = string.gsub
+local find = string.find
+local byte = string.byte
+local sub = string.sub
+local huge = math.huge
 
 local _M = {}
 
 local RS, US = "\30", "\31"
 local ESC = { ["\\"] = "\\\\", [RS] = "\\x1e", [US] = "\\x1f" }
+local SPECIAL = "[\\\30\31]"
 
 local function esc(s)
-    return (gsub(s, "[\\\30\31]", ESC))
+    return (gsub(s, SPECIAL, ESC))
 end
-_M.escape = esc
+
+-- #esc(s) without building it: "\\" grows by 1 byte, RS and US by 3
+local function escaped_len(s)
+    local n, pos = #s, 1
+    while true do
+        local i = find(s, SPECIAL, pos)
+        if not i then
+            return n
+        end
+        n = n + (byte(s, i) == 92 and 1 or 3)
+        pos = i + 1
+    end
+end
+
+-- esc(s) cut to `room` bytes, escaping at most `room` bytes of s: escaping only
+-- expands and works byte by byte, so esc(s:sub(1, room)) starts with those bytes.
+-- Prompts can be megabytes; the route key needs only prefix_chars of them.
+local function esc_prefix(s, room)
+    if room <= 0 then
+        return ""
+    end
+    if #s > room then
+        s = sub(s, 1, room)
+    end
+    local e = esc(s)
+    if #e > room then
+        e = sub(e, 1, room)
+    end
+    return e
+end
+
+local function is_text_part(part)
+    return type(part) == "string" or (type(part) == "table" and part.type == "text" and type(part.text) == "string")
+end
 
 --- content_text(content) -> text, has_non_text
 function _M.content_text(content)
@@ -39,10 +77,8 @@ function _M.content_text(content)
     local parts, non_text = {}, false
     for i = 1, #content do
         local part = content[i]
-        if type(part) == "table" and part.type == "text" and type(part.text) == "string" then
-            parts[#parts + 1] = part.text
-        elseif type(part) == "string" then
-            parts[#parts + 1] = part
+        if is_text_part(part) then
+            parts[#parts + 1] = type(part) == "string" and part or part.text
         else
             non_text = true
         end
@@ -50,15 +86,30 @@ function _M.content_text(content)
     return concat(parts), non_text
 end
 
+--- has_non_text(content) -> true if a content list holds a part that is not text
+-- (image, audio, ...); scans the part types only, builds no text
+function _M.has_non_text(content)
+    if type(content) ~= "table" then
+        return false
+    end
+    for i = 1, #content do
+        if not is_text_part(content[i]) then
+            return true
+        end
+    end
+    return false
+end
+
 --- canonical(req, endpoint, limit) -> prompt string, first_user_end, first_user_start
--- (byte offsets of the first user message's text; nil if there is none)
--- endpoint: "chat" or "completions"; limit (optional, bytes): stop once the prompt is at
--- least this long and the first user message was seen — the route key needs only its
--- window, and conversations grow long.
+-- (byte offsets of the first user message's text in the full canonical prompt; nil if
+-- there is none). endpoint: "chat" or "completions"; limit (optional, bytes): the
+-- returned string is cut to `limit` bytes (texts past it are neither escaped nor
+-- copied) and messages after the window are read only until the first user message's
+-- offsets are known — the route key needs only its window, and conversations grow long.
 function _M.canonical(req, endpoint, limit)
-    limit = limit or math.huge
+    limit = limit or huge
     local out = {}
-    local len = 0
+    local len = 0 -- length of the full (uncut) canonical prompt so far
     local first_user_end, first_user_start
     if endpoint == "chat" then
         local tools = req.tools
@@ -75,13 +126,24 @@ function _M.canonical(req, endpoint, limit)
                     local role = type(m.role) == "string" and m.role or ""
                     local text = _M.content_text(m.content)
                     local head = RS .. esc(role) .. US
-                    local s = head .. esc(text)
+                    local room = limit - len - #head
+                    local body_len
+                    if room >= #text * 4 then
+                        -- fits whatever the escaping (each byte expands to at most 4)
+                        local e = esc(text)
+                        out[#out + 1] = head .. e
+                        body_len = #e
+                    else
+                        if len < limit then
+                            out[#out + 1] = head .. esc_prefix(text, room)
+                        end
+                        body_len = escaped_len(text)
+                    end
                     if role == "user" and not first_user_end then
                         first_user_start = len + #head
-                        first_user_end = len + #s
+                        first_user_end = len + #head + body_len
                     end
-                    out[#out + 1] = s
-                    len = len + #s
+                    len = len + #head + body_len
                     -- past the window, only the first user message's offsets are still needed
                     if len >= limit and first_user_end then
                         break
@@ -92,29 +154,39 @@ function _M.canonical(req, endpoint, limit)
     else
         local p = req.prompt
         if type(p) == "string" then
-            out[1] = RS .. "P" .. US .. esc(p)
+            out[1] = RS .. "P" .. US .. esc_prefix(p, limit - 3)
         elseif type(p) == "table" then
             for i = 1, #p do
                 local e = p[i]
+                local room = limit - len - 3
                 if type(e) == "table" then
-                    -- token-id list
-                    local ids = {}
+                    -- token-id list: only as many ids as the window can show
+                    local ids, n = {}, 0
                     for j = 1, #e do
                         ids[j] = tostring(e[j])
+                        n = n + #ids[j] + 1
+                        if n > room then
+                            break
+                        end
                     end
                     e = concat(ids, ",")
                 else
                     e = tostring(e)
                 end
-                out[#out + 1] = RS .. "P" .. US .. esc(e)
-                len = len + #out[#out]
+                local s = RS .. "P" .. US .. esc_prefix(e, room)
+                out[#out + 1] = s
+                len = len + #s
                 if len >= limit then
                     break
                 end
             end
         end
     end
-    return concat(out), first_user_end, first_user_start
+    local p = concat(out)
+    if #p > limit then
+        p = sub(p, 1, limit)
+    end
+    return p, first_user_end, first_user_start
 end
 
 --- window(prompt, first_user_end, prefix_chars) -> the fingerprinted prefix ("" if none)

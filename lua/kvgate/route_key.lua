@@ -1,5 +1,6 @@
 -- Route key: first present of the pool's affinity sources. PURE.
--- Input: decoded request table, a header getter, the pool's config.
+-- Input: decoded request table, the request headers (ngx.req.get_headers(): repeated
+-- headers as a list; its metatable makes lookups case-insensitive), the pool's config.
 -- Output: key, kind ("session"|"user"|"prefix"|"fallback") or nil, nil, err for a
 -- bad session header (→ 400). Kinds are prefixed into the key ("s:", "u:", "p:")
 -- so a user id can never collide with a session id.
@@ -38,14 +39,38 @@ function _M.prefix_key(req, endpoint, prefix_chars)
     return hash.sha256_hex(w), shared_only
 end
 
---- compute(req, endpoint, get_header, pool, fallback) -> key, kind, nil, shared_only | nil, nil, err
--- get_header(name) returns a string or nil; pool = {affinity=..., session_header=..., prefix_chars=...}
-function _M.compute(req, endpoint, get_header, pool, fallback)
+-- has_prompt(req, endpoint) -> true when prefix_key() would find a prompt (same rules
+-- as prompt.canonical: tools, any message object, a prompt string or a non-empty list)
+local function has_prompt(req, endpoint)
+    if endpoint == "chat" then
+        if type(req.tools) == "table" then
+            return true
+        end
+        local messages = req.messages
+        if type(messages) == "table" then
+            for i = 1, #messages do
+                if type(messages[i]) == "table" then
+                    return true
+                end
+            end
+        end
+        return false
+    end
+    local p = req.prompt
+    return type(p) == "string" or (type(p) == "table" and #p > 0)
+end
+
+--- compute(req, endpoint, headers, pool, fallback, kind_only) -> key, kind, nil, shared_only | nil, nil, err
+-- headers: name -> string | list of strings (read only if the affinity has "session");
+-- pool = {affinity=..., session_header=..., prefix_chars=...}. kind_only (for balancers
+-- that do not read the key): the session header is still validated and the kind still
+-- reported, but the prefix is not hashed — key is "" for kind "prefix".
+function _M.compute(req, endpoint, headers, pool, fallback, kind_only)
     local affinity = pool.affinity
     for i = 1, #affinity do
         local src = affinity[i]
         if src == "session" then
-            local v = get_header(pool.session_header)
+            local v = headers[pool.session_header]
             if type(v) == "table" then
                 -- repeated header: the first value routes, but every value is forwarded,
                 -- so each must be valid
@@ -70,9 +95,15 @@ function _M.compute(req, endpoint, get_header, pool, fallback)
                 return "u:" .. u, "user"
             end
         elseif src == "prefix" then
-            local k, shared_only = _M.prefix_key(req, endpoint, pool.prefix_chars)
-            if k then
-                return "p:" .. k, "prefix", nil, shared_only
+            if kind_only then
+                if has_prompt(req, endpoint) then
+                    return "", "prefix"
+                end
+            else
+                local k, shared_only = _M.prefix_key(req, endpoint, pool.prefix_chars)
+                if k then
+                    return "p:" .. k, "prefix", nil, shared_only
+                end
             end
         end
     end

@@ -1,6 +1,9 @@
 -- Conversions between a streamed (SSE) response and the final completion object,
 -- so a cached answer can be replayed in either form. PURE.
+-- JSON goes through json.decode_keep/encode_keep so empty arrays (`"top_logprobs":[]`,
+-- `"choices":[]`) stay arrays: a decoded `[]` is the string json.EMPTY_ARRAY here.
 local cjson = require "cjson.safe"
+local json = require "kvgate.json"
 
 local type = type
 local pairs = pairs
@@ -8,8 +11,9 @@ local ipairs = ipairs
 local concat = table.concat
 local gmatch = string.gmatch
 local next = next
+local null = cjson.null
 
-local EMPTY_ARRAY = "__kvgate_empty_array__"
+local EMPTY_ARRAY = json.EMPTY_ARRAY
 
 local _M = {}
 
@@ -33,6 +37,9 @@ end
 
 local function merge_tool_calls(acc, deltas)
     for _, d in ipairs(deltas) do
+        if type(d) ~= "table" then
+            return false
+        end
         local idx = type(d.index) == "number" and d.index or #acc
         local tc = acc[idx + 1]
         if not tc then
@@ -49,16 +56,58 @@ local function merge_tool_calls(acc, deltas)
             end
         end
     end
+    return true
 end
 
---- complete(body) -> true if the stream ended with "data: [DONE]"
-function _M.complete(body)
-    local ev = events(body)
-    return ev[#ev] == "[DONE]"
+-- logprobs of one choice arrive split over the chunks, each chunk holding the
+-- entries of its own tokens: chat `{content = [...], refusal = [...]}`, completions
+-- `{tokens, token_logprobs, top_logprobs, text_offset}` (all lists). Lists are appended
+-- in order; null is kept only while nothing else came; anything else (a scalar or an
+-- object) cannot be merged, and the stream is then not rebuilt (not cached).
+local function merge_logprobs(acc, lp)
+    for k, v in pairs(lp) do
+        local have = acc[k]
+        if v == EMPTY_ARRAY then
+            if have == nil or have == null then
+                acc[k] = {}
+            end
+        elseif type(v) == "table" and v[1] ~= nil then
+            if have == nil or have == null then
+                have = {}
+                acc[k] = have
+            elseif type(have) ~= "table" then
+                return false
+            end
+            for i = 1, #v do
+                have[#have + 1] = v[i]
+            end
+        elseif v == null then
+            if have == nil then
+                acc[k] = null
+            end
+        else
+            return false
+        end
+    end
+    return true
+end
+
+local function finish_logprobs(lp)
+    if lp == nil then
+        return null
+    end
+    for k, v in pairs(lp) do
+        if type(v) == "table" and v[1] == nil then
+            lp[k] = EMPTY_ARRAY
+        end
+    end
+    return lp
 end
 
 --- to_completion(body, endpoint) -> completion table | nil, err
--- Rebuilds the non-streamed response from the chunks ("chat" or "completions").
+-- Rebuilds the non-streamed response from the chunks ("chat" or "completions"): content
+-- and text concatenated, tool calls and logprobs merged, usage from the usage chunk.
+-- Encode the result with json.encode_keep (it holds json.EMPTY_ARRAY for `[]`).
 function _M.to_completion(body, endpoint)
     local ev = events(body)
     if ev[#ev] ~= "[DONE]" then
@@ -67,7 +116,7 @@ function _M.to_completion(body, endpoint)
     local first, usage
     local choices = {}
     for i = 1, #ev - 1 do
-        local chunk = cjson.decode(ev[i])
+        local chunk = json.decode_keep(ev[i])
         if type(chunk) ~= "table" then
             return nil, "bad chunk"
         end
@@ -80,6 +129,9 @@ function _M.to_completion(body, endpoint)
         end
         if type(chunk.choices) == "table" then
             for _, c in ipairs(chunk.choices) do
+                if type(c) ~= "table" then
+                    return nil, "bad choice"
+                end
                 local idx = type(c.index) == "number" and c.index or 0
                 local acc = choices[idx + 1]
                 if not acc then
@@ -90,14 +142,24 @@ function _M.to_completion(body, endpoint)
                     local d = type(c.delta) == "table" and c.delta or {}
                     if type(d.role) == "string" then acc.role = d.role end
                     if type(d.content) == "string" then acc.parts[#acc.parts + 1] = d.content end
-                    if type(d.tool_calls) == "table" then merge_tool_calls(acc.tool_calls, d.tool_calls) end
+                    if type(d.tool_calls) == "table" and not merge_tool_calls(acc.tool_calls, d.tool_calls) then
+                        return nil, "bad tool call"
+                    end
                 elseif type(c.text) == "string" then
                     acc.parts[#acc.parts + 1] = c.text
                 end
-                if c.finish_reason ~= nil and c.finish_reason ~= cjson.null then
+                if c.finish_reason ~= nil and c.finish_reason ~= null then
                     acc.finish_reason = c.finish_reason
                 end
-                if c.logprobs ~= nil then acc.logprobs = c.logprobs end
+                local lp = c.logprobs
+                if type(lp) == "table" then
+                    acc.logprobs = acc.logprobs or {}
+                    if not merge_logprobs(acc.logprobs, lp) then
+                        return nil, "logprobs cannot be merged"
+                    end
+                elseif lp ~= nil and lp ~= null then
+                    return nil, "logprobs cannot be merged"
+                end
             end
         end
     end
@@ -110,11 +172,11 @@ function _M.to_completion(body, endpoint)
         if not acc then
             return nil, "missing choice"
         end
-        local c = { index = acc.index, finish_reason = acc.finish_reason or cjson.null,
-                    logprobs = acc.logprobs or cjson.null }
+        local c = { index = acc.index, finish_reason = acc.finish_reason or null,
+                    logprobs = finish_logprobs(acc.logprobs) }
         if endpoint == "chat" then
             local msg = { role = acc.role or "assistant" }
-            msg.content = (#acc.parts > 0 or #acc.tool_calls == 0) and concat(acc.parts) or cjson.null
+            msg.content = (#acc.parts > 0 or #acc.tool_calls == 0) and concat(acc.parts) or null
             if #acc.tool_calls > 0 then msg.tool_calls = acc.tool_calls end
             c.message = msg
         else
@@ -134,10 +196,11 @@ function _M.to_completion(body, endpoint)
 end
 
 local function data(t)
-    return "data: " .. cjson.encode(t) .. "\n\n"
+    return "data: " .. (json.encode_keep(t) or "{}") .. "\n\n"
 end
 
 --- from_completion(obj, endpoint, include_usage) -> SSE body ending in "data: [DONE]"
+-- obj: the completion decoded with json.decode_keep (so `[]` fields stay arrays).
 function _M.from_completion(obj, endpoint, include_usage)
     local out = {}
     local base = function(choices)
@@ -150,10 +213,11 @@ function _M.from_completion(obj, endpoint, include_usage)
         if endpoint == "chat" then
             local m = type(c.message) == "table" and c.message or {}
             out[#out + 1] = data(base({ { index = c.index, delta = { role = m.role or "assistant", content = "" },
-                                          finish_reason = cjson.null } }))
+                                          finish_reason = null } }))
             local delta = {}
             if type(m.content) == "string" and m.content ~= "" then delta.content = m.content end
-            if type(m.tool_calls) == "table" then
+            -- an empty list decodes to EMPTY_ARRAY (a string): no tool_calls key then
+            if type(m.tool_calls) == "table" and #m.tool_calls > 0 then
                 local tcs = {}
                 for i, tc in ipairs(m.tool_calls) do
                     tcs[i] = { index = i - 1, id = tc.id, type = tc.type, ["function"] = tc["function"] }
@@ -162,7 +226,7 @@ function _M.from_completion(obj, endpoint, include_usage)
             end
             if next(delta) then
                 out[#out + 1] = data(base({ { index = c.index, delta = delta, logprobs = c.logprobs,
-                                              finish_reason = cjson.null } }))
+                                              finish_reason = null } }))
             end
             out[#out + 1] = data(base({ { index = c.index, delta = {},
                                           finish_reason = c.finish_reason } }))
@@ -172,10 +236,9 @@ function _M.from_completion(obj, endpoint, include_usage)
         end
     end
     if include_usage and type(obj.usage) == "table" then
-        -- lua-cjson encodes an empty table as {}; the usage chunk needs "choices": []
         local last = base(EMPTY_ARRAY)
         last.usage = obj.usage
-        out[#out + 1] = (data(last):gsub('"' .. EMPTY_ARRAY .. '"', "[]", 1))
+        out[#out + 1] = data(last)
     end
     out[#out + 1] = "data: [DONE]\n\n"
     return concat(out)

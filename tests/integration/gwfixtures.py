@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import closing
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -60,6 +60,13 @@ def _wait(pred: Callable[[], bool], timeout: float, what: str) -> None:
     raise TimeoutError(f"timed out waiting for {what}")
 
 
+def _stop_all(items: list[Any]) -> None:
+    """``stop()`` each of ``items`` (last started first); one failing stop does not leak the others."""
+    with ExitStack() as stack:
+        for item in items:
+            stack.callback(item.stop)
+
+
 # --------------------------------------------------------------------------- Redis
 @dataclass
 class RedisServer:
@@ -96,12 +103,19 @@ def _start_redis(base: Path) -> RedisServer:
     server = RedisServer(port, proc, d)
 
     def ready() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server on {port} exited with {proc.returncode}; see {d / 'redis.log'}")
         try:
-            return bool(server.client().ping())
+            with redis_lib.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1, socket_timeout=1) as c:
+                return bool(c.ping())
         except redis_lib.RedisError:
             return False
 
-    _wait(ready, 10, f"redis-server on {port}")
+    try:
+        _wait(ready, 10, f"redis-server on {port}")
+    except BaseException:
+        server.stop()  # not returned to any fixture: nobody else would stop it
+        raise
     return server
 
 
@@ -146,17 +160,8 @@ SIM_ARGS = [
 
 
 def _start_sims(n: int, base: Path, prefix: str = "n") -> list[Sim]:
-    sims = []
-    for i in range(n):
-        port = free_port()
-        node_id = f"{prefix}{i + 1}"
-        log = open(base / f"sim-{node_id}-{port}.log", "wb")
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "from kvgate.sim.cli import sim_command; sim_command()",
-             "--port", str(port), "--node-id", node_id, "--model", MODEL, *SIM_ARGS],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-        sims.append(Sim(node_id, port, proc))
+    """Start ``n`` simulators and wait until all answer; if any fails, stop the others and raise."""
+    sims: list[Sim] = []
 
     def ready(sim: Sim) -> bool:
         if not sim.alive():
@@ -166,8 +171,23 @@ def _start_sims(n: int, base: Path, prefix: str = "n") -> list[Sim]:
         except requests.RequestException:
             return False
 
-    for sim in sims:
-        _wait(lambda: ready(sim), 20, f"simulator {sim.node_id}")
+    try:
+        for i in range(n):
+            port = free_port()
+            node_id = f"{prefix}{i + 1}"
+            # the child gets its own copy of the fd: ours is closed as soon as it has started
+            with open(base / f"sim-{node_id}-{port}.log", "wb") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", "from kvgate.sim.cli import sim_command; sim_command()",
+                     "--port", str(port), "--node-id", node_id, "--model", MODEL, *SIM_ARGS],
+                    stdout=log, stderr=subprocess.STDOUT,
+                )
+            sims.append(Sim(node_id, port, proc))  # recorded before any wait, so a failure stops it
+        for sim in sims:
+            _wait(lambda: ready(sim), 20, f"simulator {sim.node_id}")
+    except BaseException:
+        _stop_all(sims)  # the caller never sees these: stop them here
+        raise
     return sims
 
 
@@ -250,8 +270,12 @@ def _start_gateway(base: Path, policy: Policy, sims: list[Sim], redis: RedisServ
     lua_dir = private / "lua"
     shutil.copytree(default_lua_dir(), lua_dir)
     nginx = Nginx(private / "prefix", lua_dir=lua_dir)
-    assert nginx.apply(policy) == "started"
-    nginx.wait_ready(policy.gateway.listen)
+    try:
+        assert nginx.apply(policy) == "started"
+        nginx.wait_ready(policy.gateway.listen)
+    except BaseException:
+        nginx.stop(timeout=5)  # a no-op when it never started
+        raise
     return Gateway(nginx, policy, sims, redis)
 
 
@@ -266,8 +290,7 @@ def start_redis(tmp_path: Path) -> Iterator[Callable[[], RedisServer]]:
         return server
 
     yield factory
-    for s in started:
-        s.stop()
+    _stop_all(started)
 
 
 @pytest.fixture
@@ -280,8 +303,7 @@ def start_sims(tmp_path: Path) -> Iterator[Callable[..., list[Sim]]]:
         return sims
 
     yield factory
-    for s in started:
-        s.stop()
+    _stop_all(started)
 
 
 @pytest.fixture
@@ -294,27 +316,23 @@ def start_gateway(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
         return gw
 
     yield factory
-    for g in started:
-        g.stop()
+    _stop_all(started)
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     """3 simulators + Redis + gateway (chash, debug headers), shared by a test module."""
     base = tmp_path_factory.mktemp("fleet")
-    redis = _start_redis(base)
-    sims: list[Sim] = []
-    gw = None
-    try:
+    # each part is registered for teardown as soon as it is up (stopped in reverse order);
+    # a part that fails to start stops itself, so a failed setup leaks nothing
+    with ExitStack() as stack:
+        redis = _start_redis(base)
+        stack.callback(redis.stop)
         sims = _start_sims(3, base)
+        stack.callback(_stop_all, sims)
         gw = _start_gateway(base, make_policy(sims, redis), sims, redis)
+        stack.callback(gw.stop)
         yield gw
-    finally:
-        if gw is not None:
-            gw.stop()
-        for s in sims:
-            s.stop()
-        redis.stop()
 
 
 @pytest.fixture

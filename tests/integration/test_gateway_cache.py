@@ -120,22 +120,95 @@ def test_json_stored_then_served_as_sse(fleet_clean: Gateway) -> None:
     assert text == first.json()["choices"][0]["message"]["content"]
 
 
+def _raw_post(gw: Gateway, body: bytes, extra_headers: bytes = b"") -> socket.socket:
+    host, port = gw.listen.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+              b"Content-Type: application/json\r\n" + extra_headers +
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return s
+
+
+def _read_all(s: socket.socket) -> tuple[bytes, bytes]:
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    head, _, payload = got.partition(b"\r\n\r\n")
+    return head, payload
+
+
 def test_aborted_stream_is_not_cached(fleet_clean: Gateway) -> None:
+    # include_usage: the same stream, completed, is stored (proven below), so only the
+    # abort can keep this one out of the cache
     body = json.dumps({"model": MODEL, "temperature": 0, "max_tokens": 60, "stream": True,
+                       "stream_options": {"include_usage": True},
                        "messages": [{"role": "user", "content": "a long story, then hang up"}]}).encode()
-    host, port = fleet_clean.listen.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    stores = fleet_clean.metric_sum("kvgate_cache_stores_total")
+    with _raw_post(fleet_clean, body) as s:
         got = b""
         while b"data:" not in got:
             got += s.recv(4096)
         assert b"X-Kvgate-Cache: MISS" in got
     # the whole generation would take ~0.6 s; give the gateway time to finish the request
-    time.sleep(1.0)
+    time.sleep(1.5)
     assert list(fleet_clean.redis.client().scan_iter("kvgate:resp:*")) == []
-    again = fleet_clean.chat("a long story, then hang up", temperature=0, max_tokens=60, stream=False)
-    assert again.headers["X-Kvgate-Cache"] == "MISS"
+    assert fleet_clean.metric_sum("kvgate_cache_stores_total") == stores
+
+    # the same request read to the end is stored
+    with _raw_post(fleet_clean, body) as s:
+        head, payload = _read_all(s)
+    assert b"X-Kvgate-Cache: MISS" in head
+    assert b"data: [DONE]" in payload and b'"usage"' in payload
+    wait_cached(fleet_clean, 1)
+    assert fleet_clean.metric_sum("kvgate_cache_stores_total") == stores + 1
+
+
+def test_cached_json_replayed_as_sse_has_no_empty_objects_for_lists(fleet_clean: Gateway) -> None:
+    # lua-cjson decodes [] and {} alike: a hit must not turn a list into {}
+    first = _ask(fleet_clean, "plain answer, no tools")
+    assert first.headers["X-Kvgate-Cache"] == "MISS"
+    wait_cached(fleet_clean, 1)
+    body = json.dumps({"model": MODEL, "temperature": 0, "max_tokens": 4, "stream": True,
+                       "stream_options": {"include_usage": True},
+                       "messages": [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "plain answer, no tools"}]}).encode()
+    with _raw_post(fleet_clean, body) as s:
+        head, payload = _read_all(s)
+    assert b"X-Kvgate-Cache: HIT" in head
+    text = payload.decode()
+    assert '"tool_calls":{}' not in text and '"tool_calls"' not in text, text
+    assert '"choices":[]' in text and "data: [DONE]" in text
+    events = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
+    for ev in events:
+        assert isinstance(ev["choices"], list)
+        for c in ev["choices"]:
+            assert not isinstance(c.get("logprobs"), dict) or all(
+                isinstance(v, list) or v is None for v in c["logprobs"].values()), c
+
+
+def test_no_store_in_a_second_cache_control_header_bypasses(fleet_clean: Gateway) -> None:
+    # $http_cache_control would hold only the first header
+    body = json.dumps({"model": MODEL, "temperature": 0, "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "two cache-control headers"}]}).encode()
+    with _raw_post(fleet_clean, body, b"Cache-Control: max-age=0\r\nCache-Control: no-store\r\n") as s:
+        head, _ = _read_all(s)
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"X-Kvgate-Cache: BYPASS" in head
+    assert b"X-Kvgate-Cache-Reason: no-store" in head
+    with _raw_post(fleet_clean, body, b"Cache-Control: max-age=0\r\nCache-Control: no-cache\r\n") as s:
+        head, _ = _read_all(s)
+    assert b"X-Kvgate-Cache: MISS" in head
+
+
+def test_response_over_max_entry_bytes_is_served_and_counted(start_sims, start_redis, start_gateway) -> None:
+    gw = start_gateway(start_sims(1, prefix="t"), start_redis(), cache={"max_entry_bytes": 1024})
+    before = gw.metric_sum("kvgate_cache_store_skipped_total", reason="too-large")
+    r = _ask(gw, "a long answer please", max_tokens=200)
+    assert r.status_code == 200 and r.headers["X-Kvgate-Cache"] == "MISS"
+    assert len(r.content) > 1024
+    time.sleep(0.3)
+    assert list(gw.redis.client().scan_iter("kvgate:resp:*")) == []
+    assert gw.metric_sum("kvgate_cache_store_skipped_total", reason="too-large") == before + 1
 
 
 def test_redis_down_bypasses_and_serves(start_sims, start_redis, start_gateway) -> None:
@@ -190,15 +263,8 @@ def test_seed_beyond_double_precision_is_not_cached(fleet_clean: Gateway) -> Non
 
 
 def test_repeated_session_header_with_a_bad_value_is_rejected(fleet_clean: Gateway) -> None:
-    host, port = fleet_clean.listen.rsplit(":", 1)
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                  b"Content-Type: application/json\r\nX-Session-Id: good\r\nX-Session-Id: " + b"x" * 300 +
-                  b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        got = b""
-        while chunk := s.recv(4096):
-            got += chunk
-    head, _, payload = got.partition(b"\r\n\r\n")
+    with _raw_post(fleet_clean, body, b"X-Session-Id: good\r\nX-Session-Id: " + b"x" * 300 + b"\r\n") as s:
+        head, payload = _read_all(s)
     assert head.startswith(b"HTTP/1.1 400")
     assert b'"code":"invalid_session_id"' in payload

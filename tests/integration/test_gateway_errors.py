@@ -93,6 +93,18 @@ def test_metrics_parse_and_count(fleet_clean: Gateway) -> None:
     count = fleet_clean.metric_sum("kvgate_upstream_response_seconds_count")
     inf = fleet_clean.metric_sum("kvgate_upstream_response_seconds_bucket", le="+Inf")
     assert count == inf > 0
+    # per series: buckets in numeric order, +Inf last, cumulative
+    series: dict[tuple, list[tuple[str, float]]] = {}
+    for s in families["kvgate_upstream_response_seconds"].samples:
+        if s.name.endswith("_bucket"):
+            key = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+            series.setdefault(key, []).append((s.labels["le"], s.value))
+    assert series
+    for buckets in series.values():
+        bounds = [float(le) for le, _ in buckets]
+        assert bounds == sorted(bounds) and buckets[-1][0] == "+Inf", buckets
+        values = [v for _, v in buckets]
+        assert values == sorted(values), buckets
 
 
 def test_fallback_route_key_is_counted(start_sims, start_gateway) -> None:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import collections
+import http.server
+import threading
+from dataclasses import dataclass
+from typing import Iterator
 
+import pytest
 import requests
 
-from gwfixtures import MODEL, Gateway
+from gwfixtures import MODEL, Gateway, free_port
 
 
 def _node(resp: requests.Response) -> str:
@@ -124,3 +129,75 @@ def test_shared_system_prompt_hot_key_is_visible(start_sims, start_gateway) -> N
     assert len(nodes) == 1
     assert gw.metric_sum("kvgate_route_key_shared_prefix_total", pool="default") == 8
     assert "prefix route keys cover only the system prompt" in (gw.nginx.prefix / "logs/error.log").read_text()
+
+
+@dataclass
+class _Backend:
+    """A node entry for make_policy: only ``node_id`` and ``url`` are read."""
+
+    node_id: str
+    url: str
+
+
+class _Always503(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    posts = 0
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        type(self).posts += 1
+        body = b'{"error":{"message":"overloaded","type":"server_error","code":null,"param":null}}'
+        self.send_response(503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def node_503() -> Iterator[_Backend]:
+    """A node that reads each POST and answers 503 (an overloaded engine)."""
+    handler = type("Handler", (_Always503,), {"posts": 0})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    backend = _Backend("busy", f"http://127.0.0.1:{server.server_address[1]}")
+    backend.handler = handler  # type: ignore[attr-defined]
+    yield backend
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("balancer", ["chash", "round_robin"])
+def test_node_answering_503_fails_over_after_the_post_was_sent(start_sims, start_gateway, node_503,
+                                                                balancer: str) -> None:
+    # nginx passes a POST on after it was sent to a node only with non_idempotent
+    sims = start_sims(1, prefix="ok")
+    gw = start_gateway([node_503, *sims], None, balancer=balancer)
+    before = gw.metric_sum("kvgate_failovers_total", pool="default")
+    for i in range(12):
+        r = gw.chat(f"request {i}", headers={"X-Session-Id": f"s-{i}"}, max_tokens=1)
+        assert r.status_code == 200, r.text
+        assert _node(r) == sims[0].node_id
+    # the busy node was tried (and then skipped for fail_timeout) and the retry counted
+    assert node_503.handler.posts >= 1
+    assert gw.metric_sum("kvgate_failovers_total", pool="default") >= before + node_503.handler.posts
+
+
+def test_round_robin_pool_reports_the_kind_and_still_checks_the_session(start_sims, start_gateway) -> None:
+    # the key is not hashed for a balancer that does not read it, but stays observable
+    gw = start_gateway(start_sims(2, prefix="k"), None, balancer="round_robin")
+    assert gw.chat("hello", max_tokens=1).headers["X-Kvgate-Route-Key-Kind"] == "prefix"
+    assert gw.chat("hello", user="u1", max_tokens=1).headers["X-Kvgate-Route-Key-Kind"] == "user"
+    r = gw.chat("hello", headers={"x-session-id": "s1"}, max_tokens=1)
+    assert r.headers["X-Kvgate-Route-Key-Kind"] == "session"
+    bad = gw.chat("hello", headers={"X-Session-Id": "a\x01b"}, max_tokens=1)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_session_id"

@@ -92,6 +92,10 @@ H.test("cacheability", function()
     H.eq(c([[{"temperature":0,"messages":[]}]], "no-store"), false)
     H.eq(c([[{"temperature":0,"messages":[]}]], "max-age=0, No-Store"), false)
     H.eq(c([[{"temperature":0,"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}]]), false)
+    H.eq(c([[{"temperature":0,"messages":[{"role":"user","content":[{"type":"text","text":"a"},"b"]}]}]]), true)
+    -- repeated Cache-Control headers come as a list: no-store in any of them counts
+    H.eq(c([[{"temperature":0,"messages":[]}]], { "max-age=0", "no-store" }), false)
+    H.eq(c([[{"temperature":0,"messages":[]}]], { "max-age=0", "no-cache" }), true)
 end)
 
 H.test("a seed past 2^53 cannot make a request cacheable (doubles collide there)", function()

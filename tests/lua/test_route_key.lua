@@ -6,8 +6,9 @@ local cjson = require "cjson.safe"
 local POOL = { affinity = { "session", "user", "prefix" }, session_header = "X-Session-Id", prefix_chars = 2048 }
 local FALLBACK = "kvgate:fallback"
 
+-- ngx.req.get_headers() gives a table (case-insensitive in nginx); a plain one here
 local function headers(t)
-    return function(name) return t[name] end
+    return t
 end
 
 local SYSTEM = { role = "system", content = "You are a helpful assistant." }
@@ -151,6 +152,54 @@ H.test("canonical() with a limit gives the same window and offsets as without", 
     end
     local full = prompt.canonical(long, "chat")
     H.truthy(#prompt.canonical(long, "chat", 2048) < #full / 2, "stops early")
+end)
+
+H.test("kind_only (round_robin/least_conn pools): same kind and validation, no hashing", function()
+    local function both(req, endpoint, hdrs, pool)
+        local k, kind, err = route_key.compute(req, endpoint, hdrs, pool, FALLBACK)
+        local k2, kind2, err2 = route_key.compute(req, endpoint, hdrs, pool, FALLBACK, true)
+        H.eq(kind2, kind); H.eq(err2 ~= nil, err ~= nil)
+        return k, k2
+    end
+    local k, k2 = both(chat(1), "chat", {}, POOL)
+    H.truthy(k:match("^p:")); H.eq(k2, "")
+    k, k2 = both(chat(1), "chat", { ["X-Session-Id"] = "s1" }, POOL)
+    H.eq(k, k2)
+    both(chat(1), "chat", { ["X-Session-Id"] = "a\1b" }, POOL)
+    local prefix_then_user = { affinity = { "prefix", "user" }, session_header = "X-Session-Id", prefix_chars = 64 }
+    k, k2 = both({ model = "m", messages = {}, user = "bob" }, "chat", {}, prefix_then_user)
+    H.eq(k, "u:bob"); H.eq(k2, "u:bob")
+    both({ model = "m", messages = {} }, "chat", {}, POOL)
+    both({ model = "m", tools = {} }, "chat", {}, POOL)
+    both({ model = "m", prompt = "p" }, "completions", {}, POOL)
+    both({ model = "m", prompt = {} }, "completions", {}, POOL)
+    both({ model = "m", prompt = { { 1, 2 } } }, "completions", {}, POOL)
+end)
+
+H.test("a huge completions prompt: same window as escaping it all, without escaping it all", function()
+    local big = string.rep("a\\b\30c", 200000) -- ~1.2 MB with bytes that expand when escaped
+    local req = { model = "m", prompt = big }
+    local cut = prompt.canonical(req, "completions", 2048)
+    local full = prompt.canonical(req, "completions")
+    H.eq(#cut, 2048)
+    H.eq(cut, full:sub(1, 2048))
+    local list = { model = "m", prompt = { "x", big, "y" } }
+    H.eq(prompt.canonical(list, "completions", 100), prompt.canonical(list, "completions"):sub(1, 100))
+    local ids = {}
+    for i = 1, 50000 do ids[i] = i end
+    local tok = { model = "m", prompt = { ids } }
+    H.eq(prompt.canonical(tok, "completions", 64), prompt.canonical(tok, "completions"):sub(1, 64))
+end)
+
+H.test("a message crossing the window is cut before escaping; offsets stay exact", function()
+    local text = string.rep("\\\31q", 3000)
+    local req = { model = "m", messages = { { role = "system", content = text }, { role = "user", content = text .. "u" } } }
+    for _, n in ipairs({ 1, 5, 100, 4000, 30000 }) do
+        local full, fe, fs = prompt.canonical(req, "chat")
+        local cut, ce, cs = prompt.canonical(req, "chat", n)
+        H.eq(ce, fe, "end " .. n); H.eq(cs, fs, "start " .. n)
+        H.eq(cut, full:sub(1, n), "window " .. n)
+    end
 end)
 
 H.done()

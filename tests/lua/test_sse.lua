@@ -1,6 +1,13 @@
 local H = dofile("tests/lua/helper.lua")
 local sse = require "kvgate.sse"
+local json = require "kvgate.json"
 local cjson = require "cjson.safe"
+
+local function chunk(choice, extra)
+    local t = { id = "c1", object = "chat.completion.chunk", created = 1, model = "m", choices = { choice } }
+    for k, v in pairs(extra or {}) do t[k] = v end
+    return "data: " .. cjson.encode(t) .. "\n\n"
+end
 
 local STREAM = table.concat({
     'data: {"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n',
@@ -20,8 +27,8 @@ end)
 
 H.test("incomplete stream is refused", function()
     H.eq(sse.to_completion(STREAM:gsub("data: %[DONE%]\n\n", ""), "chat"), nil)
-    H.eq(sse.complete(STREAM), true)
-    H.eq(sse.complete(STREAM:sub(1, 200)), false)
+    H.eq(sse.to_completion(STREAM:sub(1, 200), "chat"), nil)
+    H.truthy(sse.to_completion(STREAM, "chat"))
 end)
 
 H.test("completion -> stream -> completion round trip", function()
@@ -44,6 +51,75 @@ H.test("text completions and tool calls", function()
     local o2 = assert(sse.to_completion(t, "chat"))
     H.eq(o2.choices[1].message.tool_calls[1]["function"].arguments, '{"a":1}')
     H.eq(o2.choices[1].message.tool_calls[1].id, "call1")
+end)
+
+H.test("a cached answer without tool calls replays without a tool_calls key", function()
+    -- as stored from a JSON response: "tool_calls": [] decodes to an empty table in cjson
+    local entry = '{"id":"j","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,' ..
+        '"message":{"role":"assistant","content":"hi","tool_calls":[],"annotations":[]},' ..
+        '"logprobs":{"content":[{"token":"hi","logprob":-0.1,"bytes":[104,105],"top_logprobs":[]}]},' ..
+        '"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}'
+    local body = sse.from_completion(json.decode_keep(entry), "chat", true)
+    H.truthy(not body:find('"tool_calls"', 1, true), body)
+    -- the finish chunk's delta is the only object that is empty
+    H.truthy(not body:gsub('"delta":{}', ""):find(":{}", 1, true), body)
+    H.truthy(body:find('"top_logprobs":[]', 1, true), body)
+    H.truthy(body:find('"choices":[]', 1, true), body)
+    H.truthy(not body:find('"top_logprobs":{}', 1, true), body)
+    -- and tool calls that exist are replayed as a list
+    local with_tools = json.decode_keep('{"id":"j","choices":[{"index":0,"message":{"role":"assistant","content":null,' ..
+        '"tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]},"finish_reason":"tool_calls"}]}')
+    body = sse.from_completion(with_tools, "chat", false)
+    H.truthy(body:find('"tool_calls":[{', 1, true), body)
+end)
+
+H.test("chat logprobs are appended over the chunks, empty lists stay lists", function()
+    local function lp(tok)
+        return { content = { { token = tok, logprob = -1, bytes = { 1 }, top_logprobs = json.EMPTY_ARRAY } } }
+    end
+    local s = chunk({ index = 0, delta = { role = "assistant", content = "" }, logprobs = cjson.null, finish_reason = cjson.null }) ..
+        chunk({ index = 0, delta = { content = "A" }, logprobs = lp("A"), finish_reason = cjson.null }) ..
+        chunk({ index = 0, delta = { content = "B" }, logprobs = lp("B"), finish_reason = "stop" }) ..
+        "data: [DONE]\n\n"
+    -- the chunks as a node sends them: with "top_logprobs":[]
+    s = s:gsub(cjson.encode(json.EMPTY_ARRAY):gsub("%p", "%%%0"), "[]")
+    local obj = assert(sse.to_completion(s, "chat"))
+    local content = obj.choices[1].logprobs.content
+    H.eq(#content, 2); H.eq(content[1].token, "A"); H.eq(content[2].token, "B")
+    local text = assert(json.encode_keep(obj))
+    H.truthy(text:find('"top_logprobs":[]', 1, true), text)
+    H.truthy(not text:find('"tool_calls"', 1, true), text)
+    -- the stored entry replays as SSE with the logprobs of both tokens
+    local back = assert(sse.to_completion(sse.from_completion(json.decode_keep(text), "chat", false), "chat"))
+    H.eq(#back.choices[1].logprobs.content, 2)
+end)
+
+H.test("completions logprobs lists are appended; unmergeable logprobs refuse the stream", function()
+    local function c(text, off, finish)
+        return 'data: {"id":"x","object":"text_completion","choices":[{"index":0,"text":"' .. text .. '","logprobs":' ..
+            '{"tokens":["' .. text .. '"],"token_logprobs":[-0.5],"top_logprobs":[{"' .. text .. '":-0.5}],' ..
+            '"text_offset":[' .. off .. ']},"finish_reason":' .. (finish and '"length"' or "null") .. '}]}\n\n'
+    end
+    local obj = assert(sse.to_completion(c("a", 0) .. c("b", 1, true) .. "data: [DONE]\n\n", "completions"))
+    local l = obj.choices[1].logprobs
+    H.eq(obj.choices[1].text, "ab")
+    H.eq(table.concat(l.tokens), "ab"); H.eq(#l.token_logprobs, 2); H.eq(l.text_offset[2], 1)
+    H.eq(#l.top_logprobs, 2)
+    local odd = 'data: {"id":"x","choices":[{"index":0,"text":"a","logprobs":{"score":1}}]}\n\ndata: [DONE]\n\n'
+    local none, err = sse.to_completion(odd, "completions")
+    H.eq(none, nil); H.truthy(err)
+end)
+
+H.test("json.decode_keep / encode_keep keep [] apart from {}", function()
+    local text = '{"a":[],"b":"x[]y","c":[ ],"d":[1,[]],"e":{},"f":"q\\"[]","g":"\\\\","h":[\n]}'
+    local t = assert(json.decode_keep(text))
+    H.eq(t.a, json.EMPTY_ARRAY); H.eq(t.b, "x[]y"); H.eq(t.c, json.EMPTY_ARRAY); H.eq(t.d[2], json.EMPTY_ARRAY)
+    H.eq(t.f, 'q"[]'); H.eq(t.g, "\\"); H.eq(t.h, json.EMPTY_ARRAY)
+    local back = assert(cjson.decode(json.encode_keep(t)))
+    H.eq(type(back.e), "table"); H.eq(next(back.e), nil)
+    H.truthy(json.encode_keep(t):find('"a":[]', 1, true))
+    H.truthy(json.encode_keep(t):find('"e":{}', 1, true))
+    H.truthy(json.encode_keep(t):find('"d":[1,[]]', 1, true))
 end)
 
 H.done()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,54 @@ def test_start_fails_loudly_when_lua_init_fails(tmp_path: Path) -> None:
     with pytest.raises(NginxError, match="kvgate"):
         ngx.start()
     assert ngx.pid() is None
+
+
+def _redis_policy(url: str):
+    return parse_policy({
+        "version": 1,
+        "redis": {"url": url},
+        "pools": [{"name": "p", "models": ["m"], "nodes": [{"id": "a", "url": "http://127.0.0.1:9001"}]}],
+    })
+
+
+def test_redis_host_name_is_resolved_for_lua_cosockets() -> None:
+    # Lua cosockets resolve nothing without a `resolver`: kvgate.json must hold an IP
+    data = json.loads(render(_redis_policy("redis://localhost:6390/2"), default_lua_dir())["conf/kvgate.json"])
+    assert data["redis"]["host"] == "127.0.0.1"
+    assert data["redis"]["port"] == 6390 and data["redis"]["db"] == 2
+
+
+def test_redis_ip_literal_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_dns(*_a, **_k):
+        raise AssertionError("an IP literal must not be looked up")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    data = json.loads(render(_redis_policy("redis://10.1.2.3:6379/0"), default_lua_dir())["conf/kvgate.json"])
+    assert data["redis"]["host"] == "10.1.2.3"
+
+
+def test_redis_host_prefers_ipv4(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake(host, port, family=0, *_a, **_k):
+        assert host == "redis.internal"
+        if family == socket.AF_INET6:
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::5", port, 0, 0))]
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.5", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+    data = json.loads(render(_redis_policy("redis://redis.internal:6379/0"), default_lua_dir())["conf/kvgate.json"])
+    assert data["redis"]["host"] == "10.0.0.5"
+
+
+def test_unresolvable_redis_host_fails_rendering(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*_a, **_k):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", fail)
+    with pytest.raises(ValueError, match=r"redis\.url.*no-such-redis\.invalid"):
+        render(_redis_policy("redis://no-such-redis.invalid:6390/0"), default_lua_dir())
+
+
+def test_failover_retries_posts_that_were_sent() -> None:
+    # without non_idempotent nginx never passes a POST on after sending it to a node
+    conf = render(load_policy(DEMO), default_lua_dir())["conf/nginx.conf"]
+    assert "proxy_next_upstream error timeout http_502 http_503 non_idempotent;" in conf
