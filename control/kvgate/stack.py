@@ -17,6 +17,8 @@ and a changed policy is applied to nginx with a tested reload.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -26,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import requests
@@ -76,6 +79,32 @@ class Stack:
         self.pids = self.run_dir / "pids"
         self.logs = self.run_dir / "logs"
         self.nginx = Nginx(self.run_dir / "nginx")
+
+    # ----------------------------------------------------------------- lock
+    @contextlib.contextmanager
+    def locked(self, timeout: float = 120.0, echo=print) -> Iterator[None]:
+        """Hold the run directory's lock: two ``up``/``down`` at once would start parts the
+        other does not know about. Waits up to ``timeout`` s, then raises StackError."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "lock", "a+") as fh:
+            deadline = time.monotonic() + timeout
+            told = False
+            while True:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise StackError(f"another kvgate up/down holds {self.run_dir / 'lock'}; "
+                                         f"gave up after {timeout:.0f}s") from None
+                    if not told:
+                        echo("waiting for another kvgate up/down on this run directory ...")
+                        told = True
+                    time.sleep(0.2)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
     # ---------------------------------------------------------------- state
     @property

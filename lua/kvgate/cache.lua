@@ -66,6 +66,12 @@ function _M.lookup(cfg, ctx, req, endpoint, headers)
         ctx.cache_reason = "key-error"
         return nil
     end
+    if cache_key.revalidate(headers["cache-control"]) then
+        ctx.cache = "MISS"
+        ctx.cache_reason = "no-cache"
+        ctx.cache_key = key
+        return nil
+    end
     local v, err = kredis.get(cfg.redis, key)
     if v == nil then
         cache_error("get", err)

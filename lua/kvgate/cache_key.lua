@@ -54,16 +54,23 @@ function _M.key(req, endpoint, tenant, version)
     return "kvgate:resp:v" .. version .. ":" .. escape_scope(tenant) .. ":" .. h
 end
 
-local function no_store(cache_control)
+local function has_directive(cache_control, directive)
     if type(cache_control) == "table" then
         for i = 1, #cache_control do
-            if no_store(cache_control[i]) then
+            if has_directive(cache_control[i], directive) then
                 return true
             end
         end
         return false
     end
-    return type(cache_control) == "string" and find(lower(cache_control), "no-store", 1, true) ~= nil
+    return type(cache_control) == "string" and find(lower(cache_control), directive, 1, true) ~= nil
+end
+
+--- revalidate(cache_control) -> true when the client asked for a fresh answer
+-- (`Cache-Control: no-cache`, RFC 9111 §5.2.1.4): the cache is not read, but the new
+-- answer is stored for the next client.
+function _M.revalidate(cache_control)
+    return has_directive(cache_control, "no-cache")
 end
 
 --- cacheable(req, endpoint, cache_control) -> true | false, reason
@@ -71,7 +78,7 @@ end
 -- `Cache-Control: no-store`. cache_control: nil, a string, or a list of strings (one
 -- per Cache-Control header, as ngx.req.get_headers() gives repeated headers).
 function _M.cacheable(req, endpoint, cache_control)
-    if no_store(cache_control) then
+    if has_directive(cache_control, "no-store") then
         return false, "no-store"
     end
     local seed = req.seed

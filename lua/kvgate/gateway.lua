@@ -26,7 +26,9 @@ local match = string.match
 
 local _M = {}
 
-local MAX_HEADERS = 100
+-- 0 = every header: a limit would let a client hide Cache-Control or a second session
+-- header behind filler headers. nginx's large_client_header_buffers bounds the total.
+local ALL_HEADERS = 0
 
 local ENDPOINTS = {
     ["/v1/chat/completions"] = "chat",
@@ -106,7 +108,7 @@ function _M.access()
     -- case-insensitive (ngx_lua's metatable).
     local headers = NO_HEADERS
     if pool.uses_session or cfg.cache.enabled then
-        headers = ngx.req.get_headers(MAX_HEADERS)
+        headers = ngx.req.get_headers(ALL_HEADERS)
     end
     -- round_robin/least_conn do not read the key: only its kind is worked out
     local key, kind, kerr, shared_only = route_key.compute(req, endpoint, headers, pool,
@@ -229,6 +231,11 @@ end
 --- header_too_large(): content for nginx's own 494 (a header over large_client_header_buffers)
 function _M.header_too_large()
     return errors.send(400, "A request header is too large", "request_header_too_large")
+end
+
+--- uri_too_long(): content for nginx's own 414 (a request line over the header buffers)
+function _M.uri_too_long()
+    return errors.send(414, "The request URI is too long", "uri_too_long")
 end
 
 --- not_found(): content for any path the gateway does not serve

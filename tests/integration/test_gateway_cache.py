@@ -268,3 +268,28 @@ def test_repeated_session_header_with_a_bad_value_is_rejected(fleet_clean: Gatew
         head, payload = _read_all(s)
     assert head.startswith(b"HTTP/1.1 400")
     assert b'"code":"invalid_session_id"' in payload
+
+
+def test_no_store_behind_many_headers_still_bypasses(fleet_clean: Gateway) -> None:
+    filler = {f"X-Filler-{i}": "1" for i in range(120)}
+    r = _ask(fleet_clean, "hidden no-store", headers={**filler, "Cache-Control": "no-store"})
+    assert r.status_code == 200 and r.headers["X-Kvgate-Cache"] == "BYPASS"
+    time.sleep(0.3)
+    assert list(fleet_clean.redis.client().scan_iter("kvgate:resp:*")) == []
+
+
+def test_no_cache_skips_the_lookup_and_refreshes_the_entry(fleet_clean: Gateway) -> None:
+    assert _ask(fleet_clean, "fresh please").headers["X-Kvgate-Cache"] == "MISS"
+    (key,) = wait_cached(fleet_clean, 1)
+    client = fleet_clean.redis.client()
+    client.set(key, client.get(key), ex=5)  # shorten the TTL: the refresh must reset it
+    before = sims_total(fleet_clean.sims, PROMPT_TOKENS)
+    r = _ask(fleet_clean, "fresh please", headers={"Cache-Control": "no-cache"})
+    assert r.status_code == 200 and r.headers["X-Kvgate-Cache"] == "MISS"
+    assert r.headers["X-Kvgate-Cache-Reason"] == "no-cache"
+    assert sims_total(fleet_clean.sims, PROMPT_TOKENS) > before  # a node answered
+    deadline = time.monotonic() + 3
+    while client.ttl(key) <= 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.ttl(key) > 5
+    assert _ask(fleet_clean, "fresh please").headers["X-Kvgate-Cache"] == "HIT"

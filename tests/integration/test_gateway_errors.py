@@ -113,3 +113,15 @@ def test_fallback_route_key_is_counted(start_sims, start_gateway) -> None:
     assert r.status_code == 200 and r.headers["X-Kvgate-Route-Key-Kind"] == "fallback"
     assert gw.metric_sum("kvgate_route_key_fallback_total", pool="default") == 1
     assert gw.metric_sum("kvgate_requests_total", route_key_kind="fallback") == 1
+
+
+def test_header_and_uri_overflows_answer_in_openai_format(fleet_clean: Gateway) -> None:
+    url = fleet_clean.url + "/v1/chat/completions"
+    big_header = requests.post(url, data="{}", headers={"Content-Type": "application/json", "X-Big": "a" * 9000},
+                               timeout=10)
+    assert big_header.status_code == 400
+    assert big_header.json()["error"]["code"] == "request_header_too_large"
+    long_uri = requests.post(url + "?x=" + "a" * 9000, data="{}", headers={"Content-Type": "application/json"},
+                             timeout=10)
+    assert long_uri.status_code == 414
+    assert long_uri.json()["error"]["code"] == "uri_too_long"

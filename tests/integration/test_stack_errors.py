@@ -171,3 +171,31 @@ def test_failed_up_restores_what_it_replaced(tmp_path):
         assert cmd[cmd.index("--time-scale") + 1] == "0.01"
     finally:
         kvgate(run_dir, "down")
+
+
+def test_concurrent_ups_are_serialised(tmp_path):
+    import subprocess
+    import sys
+
+    gw, rd, node = free_port(), free_port(), free_port()
+    run_dir = tmp_path / "run"
+    policies = []
+    for scale in ("0.01", "0.02", "0.03"):
+        p = tmp_path / f"p{scale}.yaml"
+        write_policy(p, gw, rd, node)
+        p.write_text(p.read_text().replace("time_scale: 0.01", f"time_scale: {scale}"))
+        policies.append(p)
+    try:
+        assert kvgate(run_dir, "up", str(policies[0])).returncode == 0
+        procs = [subprocess.Popen([sys.executable, "-m", "kvgate", "--run-dir", str(run_dir), "up", str(p)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for p in policies[1:]]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        st = kvgate(run_dir, "status", "--json")
+        assert st.returncode == 0, st.stdout
+    finally:
+        kvgate(run_dir, "down")
+    # everything the three `up`s started is stopped: the node's port is free again
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", node), timeout=1).close()

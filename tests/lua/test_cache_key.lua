@@ -108,4 +108,11 @@ H.test("a seed past 2^53 cannot make a request cacheable (doubles collide there)
     H.eq((c([[{"temperature":0,"seed":9007199254740993,"messages":[]}]])), true)
 end)
 
+H.test("no-cache asks for revalidation, in any Cache-Control header", function()
+    H.eq(cache_key.revalidate("no-cache"), true)
+    H.eq(cache_key.revalidate({ "max-age=0", "No-Cache" }), true)
+    H.eq(cache_key.revalidate("no-store"), false)
+    H.eq(cache_key.revalidate(nil), false)
+end)
+
 H.done()

@@ -88,6 +88,21 @@ def test_listener_collisions():
     assert "pools[1].nodes[0].url: 127.0.0.1:9001 is also pools[0].nodes[0].url" in issues(two)
 
 
+@pytest.mark.parametrize("listen, clashes", [
+    ("localhost:9001", True), ("0.0.0.0:9001", True), ("127.0.0.1:9002", False), ("10.0.0.7:9001", False),
+])
+def test_listener_clash_across_spellings(listen, clashes):
+    text = MINIMAL + f'gateway: {{listen: "{listen}"}}\n'
+    if clashes:
+        assert any(i.startswith("pools[0].nodes[0].url: 127.0.0.1:9001 is also gateway.listen") for i in issues(text))
+    else:
+        parse_policy_text(text)
+
+
+def test_remote_node_does_not_clash_with_a_wildcard_gateway():
+    parse_policy_text(MINIMAL.replace("127.0.0.1:9001", "10.0.0.5:8080") + 'gateway: {listen: "0.0.0.0:8080"}\n')
+
+
 def test_yaml_syntax_error_has_position():
     found = issues("pools: [\n  - name: x\n")
     assert found and "YAML syntax error" in found[0] and "line" in found[0]

@@ -87,7 +87,8 @@ def up(ctx: click.Context, policy: Path, timeout: float) -> None:
 
     stack = _stack(ctx)
     try:
-        pol = stack.up(policy, timeout=timeout, echo=click.echo)
+        with stack.locked(echo=click.echo):
+            pol = stack.up(policy, timeout=timeout, echo=click.echo)
     except PolicyError as exc:
         _fail_policy(exc)
     except (StackError, NginxError) as exc:
@@ -105,7 +106,15 @@ def up(ctx: click.Context, policy: Path, timeout: float) -> None:
 @click.pass_context
 def down(ctx: click.Context) -> None:
     """Stop everything `kvgate up` started in this run directory."""
-    _stack(ctx).down(echo=click.echo)
+    from ..stack import StackError
+
+    stack = _stack(ctx)
+    try:
+        with stack.locked(echo=click.echo):
+            stack.down(echo=click.echo)
+    except StackError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
 
 
 @main.command()

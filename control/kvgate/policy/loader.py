@@ -7,6 +7,7 @@ without a traceback and the control plane can return them to the operator.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,16 +81,47 @@ def parse_policy(data: Any, source: str = "<policy>") -> Policy:
     return policy
 
 
+_WILDCARDS = {"0.0.0.0", "::", "[::]", "*"}
+_LOOPBACK_NAMES = {"localhost", "ip6-localhost"}
+
+
+def _same_host(a: str, b: str) -> bool:
+    """Whether two listeners' hosts collide on this machine: equal, both loopback spellings
+    (127.0.0.1, localhost, ::1), or a wildcard (0.0.0.0, ::) against a loopback or wildcard
+    host. Remote hosts on the same port never collide with a local wildcard."""
+    if a == b:
+        return True
+
+    def loopback(h: str) -> bool:
+        if h in _LOOPBACK_NAMES:
+            return True
+        try:
+            return ipaddress.ip_address(h.strip("[]")).is_loopback
+        except ValueError:
+            return False
+
+    local_a = a in _WILDCARDS or loopback(a)
+    local_b = b in _WILDCARDS or loopback(b)
+    return local_a and local_b
+
+
 def cross_check(policy: Policy) -> list[PolicyIssue]:
     """Rules that span fields: unique pool names, node ids and addresses, each model in one
     pool, and no two listeners (gateway, Redis, simulated nodes) on one address."""
     issues: list[PolicyIssue] = []
-    listeners: dict[str, str] = {policy.gateway.listen: "gateway.listen"}
+    host, _, port = policy.gateway.listen.rpartition(":")
+    listeners: list[tuple[str, int, str]] = [(host, int(port), "gateway.listen")]
+
+    def clash(where: str, host: str, port: int) -> None:
+        for other_host, other_port, other in listeners:
+            if port == other_port and _same_host(host, other_host):
+                issues.append(PolicyIssue(where, f"{host}:{port} is also {other} ({other_host}:{other_port})"
+                                          if other_host != host else f"{host}:{port} is also {other}"))
+                return
+        listeners.append((host, port, where))
+
     if policy.redis.managed:
-        raddr = f"{policy.redis.host}:{policy.redis.port}"
-        if raddr in listeners:
-            issues.append(PolicyIssue("redis.url", f"{raddr} is also {listeners[raddr]}"))
-        listeners.setdefault(raddr, "redis.url")
+        clash("redis.url", policy.redis.host, policy.redis.port)
     pools: dict[str, int] = {}
     models: dict[str, str] = {}
     node_ids: dict[str, str] = {}
@@ -107,9 +139,7 @@ def cross_check(policy: Policy) -> list[PolicyIssue]:
             if node.id in node_ids:
                 issues.append(PolicyIssue(f"{here}.id", f"node id {node.id!r} is already used by {node_ids[node.id]}"))
             node_ids.setdefault(node.id, here)
-            if node.address in listeners:
-                issues.append(PolicyIssue(f"{here}.url", f"{node.address} is also {listeners[node.address]}"))
-            listeners.setdefault(node.address, f"{here}.url")
+            clash(f"{here}.url", node.host, node.port)
     return issues
 
 
