@@ -23,6 +23,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 from .policy.model import Policy
 from .render import default_lua_dir, render
 
@@ -248,7 +250,7 @@ class Nginx:
             pid = int(path.read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
-        if _alive(pid) and "nginx" in _cmdline(pid):
+        if _alive(pid) and _is_master_of(pid, self.prefix):
             return pid
         self._clean_pid()
         return None
@@ -274,35 +276,23 @@ class Nginx:
 
 def _alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        try:
-            os.kill(pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return False
 
 
-def _cmdline(pid: int) -> str:
+def _is_master_of(pid: int, prefix: Path) -> bool:
+    """Whether ``pid`` is the nginx master of this prefix: its title reads
+    ``nginx: master process nginx -p PREFIX/ ...``, so a reused pid is never taken for it."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return "nginx"  # no /proc: trust the pid file
+        title = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+    return "nginx" in title and f"-p {prefix}/" in title
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir() if Path("/proc").exists() else []:
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid:
-            out.append(int(entry.name))
-    return out
+    try:
+        return [c.pid for c in psutil.Process(pid).children()]
+    except psutil.Error:
+        return []

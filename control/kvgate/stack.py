@@ -190,10 +190,9 @@ class Stack:
         """
         host, port = policy.redis.host, policy.redis.port
         pid = self._live_pid("redis")
-        if pid and not policy.redis.managed:
-            self._stop_pid("redis")
-            return "external"
         if not policy.redis.managed:
+            if pid:
+                self._stop_pid("redis")
             return "external"
         restarted = False
         if pid:

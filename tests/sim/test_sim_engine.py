@@ -17,6 +17,12 @@ def _engine(**overrides) -> Engine:
                                      **overrides)))
 
 
+def _assert_idle(engine: Engine) -> None:
+    """No sequence running or waiting, in the engine's counts and in its vLLM gauges."""
+    assert (engine.num_running, engine.num_waiting) == (0, 0)
+    assert engine.metrics.waiting._value.get() == 0 and engine.metrics.running._value.get() == 0
+
+
 def test_waiter_cancelled_then_skipped_by_leave_raises_cancelled_error():
     """The race: the waiter's future is cancelled, ``_leave`` pops it before the task resumes."""
 
@@ -30,8 +36,7 @@ def test_waiter_cancelled_then_skipped_by_leave_raises_cancelled_error():
         engine._leave()  # the running sequence finishes in the same loop turn: pops and skips it
         with pytest.raises(asyncio.CancelledError):
             await waiter  # was: ValueError from deque.remove
-        assert (engine.num_running, engine.num_waiting) == (0, 0)
-        assert engine.metrics.waiting._value.get() == 0 and engine.metrics.running._value.get() == 0
+        _assert_idle(engine)
 
     asyncio.run(main())
 
@@ -53,8 +58,7 @@ def test_waiter_cancelled_while_still_queued_leaves_the_queue():
         engine._leave()
         await waiters[2]
         engine._leave()
-        assert (engine.num_running, engine.num_waiting) == (0, 0)
-        assert engine.metrics.waiting._value.get() == 0 and engine.metrics.running._value.get() == 0
+        _assert_idle(engine)
 
     asyncio.run(main())
 
