@@ -182,3 +182,20 @@ def test_concurrent_ups_are_serialised(one_node, tmp_path):
     assert kvgate(one_node.run_dir, "down").returncode == 0
     # everything the three `up`s started is stopped: the node's port is free again
     assert not listening(one_node.node)
+
+
+def test_a_closed_stdout_does_not_abort_up_or_down(one_node):
+    """`kvgate down | head -1` must still stop everything (the pipe closes after one line)."""
+    for command in ("up", "down"):
+        args = [sys.executable, "-m", "kvgate", "--run-dir", str(one_node.run_dir), command]
+        if command == "up":
+            args.append(str(one_node.policy))
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.readline()
+        proc.stdout.close()  # the reader goes away, as `head -1` does
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert b"Traceback" not in err
+        if command == "up":
+            assert kvgate(one_node.run_dir, "status").returncode == 0
+    assert not listening(one_node.node) and not listening(one_node.gw)

@@ -8,6 +8,7 @@ traceback: 2 for bad input (policy, arguments), 1 for a runtime failure.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,18 @@ import click
 from ..policy import PolicyError, load_policy
 
 DEFAULT_POLICY = Path("policies") / "demo.yaml"
+
+
+def _progress(message: str) -> None:
+    """Print a progress line of `up`/`down`. A closed stdout (``kvgate down | head -1``) must
+    not abort the operation half-way: later lines go to /dev/null instead."""
+    try:
+        click.echo(message)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _fail_policy(exc: PolicyError) -> None:
@@ -87,19 +100,19 @@ def up(ctx: click.Context, policy: Path, timeout: float) -> None:
 
     stack = _stack(ctx)
     try:
-        with stack.locked(echo=click.echo):
-            pol = stack.up(policy, timeout=timeout, echo=click.echo)
+        with stack.locked(echo=_progress):
+            pol = stack.up(policy, timeout=timeout, echo=_progress)
     except PolicyError as exc:
         _fail_policy(exc)
     except (StackError, NginxError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
-    click.echo("")
-    click.echo(f"gateway   http://{pol.gateway.listen}/v1   (OpenAI-compatible; metrics at /metrics)")
+    _progress("")
+    _progress(f"gateway   http://{pol.gateway.listen}/v1   (OpenAI-compatible; metrics at /metrics)")
     for node in pol.nodes():
-        click.echo(f"node {node.id:<4} {node.url}{'  (simulated)' if node.simulate else ''}")
-    click.echo(f"redis     {pol.redis.url}")
-    click.echo(f"run dir   {stack.run_dir}  (logs in {stack.logs})")
+        _progress(f"node {node.id:<4} {node.url}{'  (simulated)' if node.simulate else ''}")
+    _progress(f"redis     {pol.redis.url}")
+    _progress(f"run dir   {stack.run_dir}  (logs in {stack.logs})")
 
 
 @main.command()
@@ -110,8 +123,8 @@ def down(ctx: click.Context) -> None:
 
     stack = _stack(ctx)
     try:
-        with stack.locked(echo=click.echo):
-            stack.down(echo=click.echo)
+        with stack.locked(echo=_progress):
+            stack.down(echo=_progress)
     except StackError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
