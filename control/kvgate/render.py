@@ -27,6 +27,8 @@ import hashlib
 import ipaddress
 import json
 import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,36 @@ from .policy.model import Policy
 
 TENANT = "default"
 """Tenant of every request until authentication names one (part of every cache key)."""
+
+WEIGHT_SCALE = 100
+"""nginx ``weight=`` units per 1.0 of policy base weight: the control plane's capacity, load
+and ramp factors are fractions, and nginx weights are integers. Ketama gives a server
+``160 × weight`` points, each derived from the previous one, so raising one node's weight
+only adds that node's points: keys move to it and nowhere else."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the control plane changes on top of a policy, in the rendered config.
+
+    Attributes:
+        weights: node id → nginx ``weight=`` (units of ``1/WEIGHT_SCALE`` of base weight 1);
+            ``0`` renders the server as ``down`` (it keeps its place, so only its own keys
+            move to their next nodes on the ring). A node not in the map gets
+            ``policy weight × WEIGHT_SCALE``.
+        balancers: pool name → balancer in force (overload degrade switches a pool to
+            ``least_conn``); pools not in the map use the policy's balancer.
+    """
+
+    weights: Mapping[str, int] = field(default_factory=dict)
+    balancers: Mapping[str, str] = field(default_factory=dict)
+
+    def weight(self, node_id: str, base: int) -> int:
+        return int(self.weights.get(node_id, base * WEIGHT_SCALE))
+
+    def balancer(self, pool_name: str, configured: str) -> str:
+        return self.balancers.get(pool_name, configured)
+
 
 _REPO = Path(__file__).resolve().parents[2]
 TEMPLATE_DIR = _REPO / "nginx"
@@ -118,11 +150,12 @@ def redis_host(policy: Policy) -> str:
     return ips[0]
 
 
-def data_config(policy: Policy) -> dict[str, Any]:
+def data_config(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any]:
     """The ``kvgate.json`` content (without its ``digest``) as a dict.
 
     Resolves host names (see :func:`redis_host`); raises ``ValueError`` when the Redis
     host does not resolve."""
+    runtime = runtime or Runtime()
     pools: dict[str, Any] = {}
     models: dict[str, str] = {}
     nodes_by_addr: dict[str, str] = {}
@@ -130,11 +163,18 @@ def data_config(policy: Policy) -> dict[str, Any]:
         pools[pool.name] = {
             "name": pool.name,
             "upstream": f"pool_{pool.name}",
-            "balancer": pool.balancer,
+            "balancer": runtime.balancer(pool.name, pool.balancer),
             "affinity": list(pool.affinity),
             "session_header": pool.session_header,
             "prefix_chars": pool.prefix_chars,
-            "nodes": [{"id": n.id, "address": n.address, "weight": n.weight} for n in pool.nodes],
+            "nodes": [{"id": n.id, "address": n.address, "weight": runtime.weight(n.id, n.weight)}
+                      for n in pool.nodes],
+            "capture": {
+                "enabled": pool.warmup.capture_prefix_text,
+                "ttl_s": pool.warmup.capture_ttl_s,
+                "max_bytes": pool.warmup.capture_max_bytes,
+            },
+            "hot_window_s": pool.warmup.hot_window_s,
         }
         for model in pool.models:
             models[model] = pool.name
@@ -177,12 +217,30 @@ def lua_digest(lua_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def render(policy: Policy, lua_dir: Path) -> dict[str, str]:
+def upstream_pools(policy: Policy, runtime: Runtime | None = None) -> list[dict[str, Any]]:
+    """The pools as the upstream template sees them: balancer in force and per server its
+    address, node id and nginx weight (``0`` = ``down``)."""
+    runtime = runtime or Runtime()
+    return [
+        {
+            "name": pool.name,
+            "models": pool.models,
+            "balancer": runtime.balancer(pool.name, pool.balancer),
+            "nodes": [{"id": n.id, "address": n.address, "weight": runtime.weight(n.id, n.weight)}
+                      for n in pool.nodes],
+        }
+        for pool in policy.pools
+    ]
+
+
+def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None) -> dict[str, str]:
     """Render the gateway config for ``policy``.
 
     Args:
         policy: a validated policy.
         lua_dir: folder holding ``kvgate/*.lua`` (made absolute).
+        runtime: the control plane's live weights, down nodes and balancer switches;
+            ``None`` renders the policy as written (every node up at its base weight).
 
     Returns:
         ``{"conf/nginx.conf": text, "conf/kvgate.json": text}``, paths relative to
@@ -195,12 +253,12 @@ def render(policy: Policy, lua_dir: Path) -> dict[str, str]:
     gw = policy.gateway
     conf = _env().get_template("nginx.conf.j2").render(
         gw=gw,
-        pools=policy.pools,
+        pools=upstream_pools(policy, runtime),
         lua_dir=str(lua_dir),
         connect_timeout=_seconds(gw.connect_timeout_s),
         read_timeout=_seconds(gw.read_timeout_s),
     )
-    data = data_config(policy)
+    data = data_config(policy, runtime)
     # The Lua modules are loaded once per (re)load, so a changed module must count as a
     # changed config: otherwise `kvgate up` after an upgrade would keep the old code.
     data["lua_digest"] = lua_digest(lua_dir)

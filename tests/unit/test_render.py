@@ -70,8 +70,8 @@ def test_chash_upstream_with_weights() -> None:
     conf = render(_policy(), default_lua_dir())["conf/nginx.conf"]
     up = _upstream(conf, "pool_p1")
     assert "hash $kvgate_route_key consistent;" in up
-    assert "server 127.0.0.1:9001 weight=3 max_fails=1 fail_timeout=10s;" in up
-    assert "server 127.0.0.1:9002 weight=1 max_fails=1 fail_timeout=10s;" in up
+    assert "server 127.0.0.1:9001 weight=300 max_fails=1 fail_timeout=10s;" in up
+    assert "server 127.0.0.1:9002 weight=100 max_fails=1 fail_timeout=10s;" in up
     # the balancer directive must precede keepalive
     assert up.index("hash ") < up.index("keepalive")
 

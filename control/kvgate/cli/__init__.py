@@ -44,6 +44,8 @@ class _LazyGroup(click.Group):
     LAZY = {
         "sim": ("kvgate.sim.cli", "sim_command"),
         "replay": ("kvgate.bench.cli", "replay_command"),
+        "agent": ("kvgate.agent.cli", "agent_command"),
+        "control": ("kvgate.control.cli", "control_command"),
     }
 
     def list_commands(self, ctx):

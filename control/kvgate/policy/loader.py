@@ -107,7 +107,7 @@ def _same_host(a: str, b: str) -> bool:
 
 def cross_check(policy: Policy) -> list[PolicyIssue]:
     """Rules that span fields: unique pool names, node ids and addresses, each model in one
-    pool, and no two listeners (gateway, Redis, simulated nodes) on one address."""
+    pool, and no two listeners (gateway, Redis, control plane, nodes) on one address."""
     issues: list[PolicyIssue] = []
     host, _, port = policy.gateway.listen.rpartition(":")
     listeners: list[tuple[str, int, str]] = [(host, int(port), "gateway.listen")]
@@ -122,6 +122,8 @@ def cross_check(policy: Policy) -> list[PolicyIssue]:
 
     if policy.redis.managed:
         clash("redis.url", policy.redis.host, policy.redis.port)
+    chost, _, cport = policy.control.listen.rpartition(":")
+    clash("control.listen", chost, int(cport))
     pools: dict[str, int] = {}
     models: dict[str, str] = {}
     node_ids: dict[str, str] = {}

@@ -9,10 +9,10 @@ checked after the fields themselves.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 AffinityKey = Literal["session", "user", "prefix"]
 Balancer = Literal["chash", "round_robin", "least_conn"]
@@ -118,7 +118,11 @@ class NodeConfig(_Strict):
 
     id: str = Field(description="Stable node id: lowercase letters, digits, '-' and '_'.")
     url: str = Field(description="Base URL of the engine's OpenAI-compatible server, e.g. http://10.0.0.5:8000.")
-    weight: int = Field(1, ge=1, le=1000, description="Relative share of keys (nginx `weight=`).")
+    weight: int = Field(
+        1, ge=1, le=100,
+        description="Base weight: relative share of keys. The control plane multiplies it by the node's "
+        "capacity, load factor and ramp step and renders nginx `weight=` in units of 1/100.",
+    )
     simulate: bool = Field(
         False, description="`kvgate up` starts a `kvgate sim` engine simulator at this URL (demo/testing)."
     )
@@ -154,6 +158,67 @@ class NodeConfig(_Strict):
         return f"{self.host}:{self.port}"
 
 
+class WarmupPrompt(_Strict):
+    """A prompt sent to a node before it takes traffic, so its prefix cache already holds the blocks
+    many requests share (a system prompt, tool definitions, few-shot examples)."""
+
+    name: str = Field(description="Label shown in events and warm-up results.")
+    messages: list[dict[str, Any]] = Field(
+        min_length=1,
+        description="OpenAI chat messages (`role`, `content`), sent as `/v1/chat/completions` with "
+        "`max_tokens: 1`. Put the shared part first: only a prompt *prefix* is cached.",
+    )
+    tools: list[dict[str, Any]] | None = Field(None, description="OpenAI tool definitions sent with the prompt.")
+
+    @field_validator("messages")
+    @classmethod
+    def _check_messages(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, m in enumerate(v):
+            if m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
+                raise ValueError(f"messages[{i}].role must be system, user, assistant, tool or developer")
+            if not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}].content must be a string")
+        return v
+
+
+class WarmupConfig(_Strict):
+    """Warm-up of a node's prefix cache before it takes traffic (docs/control-plane.md, Warm-up)."""
+
+    prompts: list[WarmupPrompt] = Field(default_factory=list, description="The pool's common prefixes, sent first.")
+    hot_prefixes: int = Field(
+        16, ge=0, le=1000,
+        description="Also send the prompts of this many hottest prefix fingerprints of the pool from the request "
+        "log (only those whose text was captured, see `capture_prefix_text`).",
+    )
+    capture_prefix_text: bool = Field(
+        False,
+        description="Opt-in: the gateway stores the prompt prefix (messages up to the first user message) of "
+        "requests in Redis under their fingerprint, for warm-up. Prompt text is sensitive: off by default.",
+    )
+    capture_ttl_s: int = Field(3600, ge=60, description="Lifetime of a captured prefix text in Redis (seconds).")
+    capture_max_bytes: int = Field(65536, ge=256, description="Prefixes larger than this are not captured (bytes).")
+    hot_window_s: int = Field(3600, ge=60, description="How far back the request log counts a fingerprint's heat (seconds).")
+    concurrency: int = Field(4, ge=1, le=64, description="Warm-up requests in flight at once per node.")
+    timeout_s: float = Field(120.0, gt=0, description="Whole warm-up budget per node (seconds); the rest is skipped.")
+
+
+class OverloadConfig(_Strict):
+    """Overload degrade: a pool whose engines queue switches to `least_conn` until the queues drain."""
+
+    enabled: bool = Field(True, description="Switch the pool to `least_conn` under sustained queueing.")
+    high_queue: float = Field(
+        32.0, gt=0, description="Mean waiting requests per node (vLLM `num_requests_waiting`) that counts as overload."
+    )
+    low_queue: float = Field(4.0, ge=0, description="Mean waiting requests per node below which the pool returns to its balancer.")
+    for_s: float = Field(10.0, ge=0, description="How long the mean must stay above `high_queue` (or below `low_queue`) before a switch (seconds).")
+
+    @model_validator(mode="after")
+    def _check_marks(self) -> "OverloadConfig":
+        if self.low_queue >= self.high_queue:
+            raise ValueError("low_queue must be below high_queue (hysteresis)")
+        return self
+
+
 class PoolConfig(_Strict):
     """A set of nodes serving the same models, with one balancer and one affinity-key order."""
 
@@ -178,6 +243,8 @@ class PoolConfig(_Strict):
         "that many conversations share: a window covering only that sends them all to one node.",
     )
     nodes: list[NodeConfig] = Field(min_length=1, description="The pool's inference servers.")
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    overload: OverloadConfig = Field(default_factory=OverloadConfig)
 
     @field_validator("name")
     @classmethod
@@ -218,6 +285,84 @@ class SimulatorConfig(_Strict):
     )
 
 
+class ControlConfig(_Strict):
+    """The control plane (`kvgate control`) and its node agents."""
+
+    listen: str = Field("127.0.0.1:9090", description="HOST:PORT of the admin API, `/metrics` and the admin page.")
+    public_reads: bool = Field(
+        False, description="Serve GET requests of the admin API without the admin token (mutations always need it)."
+    )
+    report_interval_s: float = Field(2.0, gt=0, le=300, description="How often each node agent reports (seconds).")
+    tick_s: float = Field(1.0, gt=0, le=60, description="How often the control plane re-evaluates states and weights (seconds).")
+    events_kept: int = Field(10000, ge=100, description="Events kept in Redis (oldest dropped first).")
+    versions_kept: int = Field(100, ge=2, description="Applied policy versions kept for rollback.")
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, v: str) -> str:
+        return _host_port(v)
+
+
+class HealthConfig(_Strict):
+    """Ejection of failing nodes (agent reports and the control plane's own probe)."""
+
+    probe_interval_s: float = Field(2.0, gt=0, description="How often the control plane probes each engine's `/health` (seconds).")
+    probe_timeout_s: float = Field(1.0, gt=0, description="Timeout of one probe (seconds).")
+    eject_after: int = Field(3, ge=1, description="Consecutive failed checks before a node is ejected (N).")
+    recover_after: int = Field(2, ge=1, description="Consecutive passed checks before an ejected node comes back (M).")
+    missing_reports: int = Field(
+        3, ge=1, description="A node whose agent has not reported for this many report intervals counts as failing (K)."
+    )
+
+
+class WeightsConfig(_Strict):
+    """Live weights: base weight × capacity × load factor, damped (docs/control-plane.md, Weights)."""
+
+    dynamic: bool = Field(True, description="Follow capacity and load from the agents' reports; false keeps base weights.")
+    queue_high: float = Field(
+        16.0, gt=0, description="Waiting requests on a node at which its load factor reaches `min_factor`."
+    )
+    kv_high: float = Field(
+        0.95, gt=0, le=1, description="KV-cache use (0-1) at which the load factor reaches `min_factor`; below 0.7 it costs nothing."
+    )
+    min_factor: float = Field(0.25, gt=0, le=1, description="Lowest load factor: a busy node keeps this share of its keys.")
+    change_threshold: float = Field(
+        0.2, ge=0, description="A computed weight is applied only when it differs from the applied one by more than "
+        "this fraction: every weight change on a consistent-hash ring moves keys, and their cache.",
+    )
+    min_interval_s: float = Field(30.0, ge=0, description="Load-driven weight changes of a pool are applied at most this often (seconds).")
+
+
+class RampConfig(_Strict):
+    """How a warmed node's weight rises to its target."""
+
+    steps: list[float] = Field(
+        default_factory=lambda: [0.1, 0.25, 0.5, 1.0], min_length=1,
+        description="Fractions of the target weight, in order; the last must be 1.",
+    )
+    step_interval_s: float = Field(10.0, ge=0, description="Time on each step before the next (seconds).")
+    max_error_rate: float = Field(
+        0.05, ge=0, le=1, description="The ramp holds while the node's share of 5xx answers at the gateway is above this."
+    )
+    max_queue: float = Field(16.0, ge=0, description="The ramp holds while the node has more waiting requests than this.")
+
+    @field_validator("steps")
+    @classmethod
+    def _check_steps(cls, v: list[float]) -> list[float]:
+        if any(not 0 < s <= 1 for s in v) or any(b <= a for a, b in zip(v, v[1:])) or v[-1] != 1:
+            raise ValueError("steps must rise strictly within (0, 1] and end at 1")
+        return v
+
+
+class DrainConfig(_Strict):
+    """Draining a node (`kvgate drain`)."""
+
+    timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for a draining node's in-flight requests (streams included); "
+        "after it the node is reported drained anyway, with the count it still had."
+    )
+
+
 class Policy(_Strict):
     """A whole routing policy file."""
 
@@ -227,6 +372,18 @@ class Policy(_Strict):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     pools: list[PoolConfig] = Field(min_length=1, description="Pools of nodes; each model belongs to one pool.")
     simulator: SimulatorConfig = Field(default_factory=SimulatorConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    ramp: RampConfig = Field(default_factory=RampConfig)
+    drain: DrainConfig = Field(default_factory=DrainConfig)
+
+    def node(self, node_id: str) -> NodeConfig:
+        """The node with this id. Raises KeyError for an unknown id."""
+        for node in self.nodes():
+            if node.id == node_id:
+                return node
+        raise KeyError(node_id)
 
     def nodes(self) -> list[NodeConfig]:
         """All nodes of all pools, in file order."""
