@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from .policy.model import Policy
-from .render import default_lua_dir, render
+from .render import Runtime, default_lua_dir, render
 
 CONF = "conf/nginx.conf"
 DATA = "conf/kvgate.json"
@@ -127,17 +127,22 @@ class Nginx:
             name = rel.removeprefix("conf/")
             (conf_dir / name).write_text(text)
 
-    def apply(self, policy: Policy) -> str:
-        """Make nginx run ``policy``.
+    def apply(self, policy: Policy, runtime: Runtime | None = None, start: bool = True) -> str:
+        """Make nginx run ``policy`` (with the control plane's ``runtime`` weights, if given).
+
+        Args:
+            start: start nginx when it is not running; with False (another process runs
+                nginx, e.g. a compose service) the tested config is only written.
 
         Returns:
-            ``"unchanged"`` (already running this exact config), ``"started"`` or ``"reloaded"``.
+            ``"unchanged"`` (already running this exact config), ``"started"``, ``"reloaded"``
+            or ``"written"`` (not running and ``start`` is False).
 
         Raises:
             NginxError: ``nginx -t`` refused the config (the running one is untouched),
                 or nginx failed to start/reload.
         """
-        files = render(policy, self.lua_dir)
+        files = render(policy, self.lua_dir, runtime)
         running = self.pid() is not None
         installed = self._installed()
         if running and all(installed.get(rel) == text for rel, text in files.items()):
@@ -168,6 +173,8 @@ class Nginx:
                 self.listen, self.digest = previous
                 raise
             return "reloaded"
+        if not start:
+            return "written"
         self.start()
         return "started"
 

@@ -34,7 +34,7 @@ import psutil
 import requests
 
 from .nginxctl import Nginx, find_binary
-from .render import render
+from .render import Runtime, render
 from .policy import NodeConfig, Policy, PolicyError, load_policy
 
 DEFAULT_RUN_DIR = Path(".kvgate") / "run"
@@ -143,6 +143,11 @@ class Stack:
         return None
 
     # ----------------------------------------------------------- pid files
+    @property
+    def token_file(self) -> Path:
+        """The admin token of this run directory (mode 0600; created by the first ``up``)."""
+        return self.run_dir / "admin.token"
+
     def _pid_file(self, name: str) -> Path:
         return self.pids / f"{name}.pid"
 
@@ -154,6 +159,11 @@ class Stack:
             return "redis-server" in proc.name() and Path(proc.cwd()) == self.run_dir / "redis"
         if name.startswith("sim-"):
             return proc.cmdline()[1:6] == ["-m", "kvgate", "sim", "--node-id", name[4:]]
+        if name == "control":
+            return proc.cmdline()[1:6] == ["-m", "kvgate", "--run-dir", str(self.run_dir), "control"]
+        if name.startswith("agent-"):
+            cmd = proc.cmdline()
+            return cmd[1:6] == ["-m", "kvgate", "agent", "--node-id", name[6:]] and str(self.token_file) in cmd
         return False
 
     def _live_pid(self, name: str) -> int | None:
@@ -320,8 +330,27 @@ class Stack:
                 if f.stem not in wanted and self._stop_pid(f.stem):
                     echo(f"{f.stem:<9} stopped (no longer in the policy)")
             self._wait_healthy(policy, sims, timeout)
-            echo(f"nginx     {self.nginx.apply(policy)}")
-            self.nginx.wait_ready(policy.gateway.listen, timeout=timeout)
+            if self._control_keeps(policy):
+                # the running control plane owns nginx: the policy goes through its API
+                # (rendered with the live node states, tested, reloaded, recorded as a version)
+                echo(f"control   {self.apply_via_control(policy_path, policy)}")
+                self.nginx.wait_ready(policy.gateway.listen, timeout=timeout)
+            else:
+                echo(f"nginx     {self.nginx.apply(policy, self.stored_runtime(policy))}")
+                self.nginx.wait_ready(policy.gateway.listen, timeout=timeout)
+                result = self.start_control(policy_path, policy, timeout)
+                echo(f"control   {result}")
+                if result in ("started", "restarted"):
+                    started.append("control")
+            for node in sims:
+                result = self.start_agent(policy, node)
+                echo(f"agent-{node.id:<3} {result}")
+                if result in ("started", "restarted"):
+                    started.append(f"agent-{node.id}")
+            wanted_agents = {f"agent-{n.id}" for n in sims}
+            for f in sorted(self.pids.glob("agent-*.pid")):
+                if f.stem not in wanted_agents and self._stop_pid(f.stem):
+                    echo(f"{f.stem:<9} stopped (no longer in the policy)")
         except BaseException:
             # Leave nothing half-started behind: stop what this call started (and only that),
             # then bring back what the previous policy ran (parts this call replaced).
@@ -338,6 +367,112 @@ class Stack:
         os.replace(tmp, self.running_policy_file)
         self.state_file.write_text(json.dumps({"policy": str(Path(policy_path).resolve())}) + "\n")
         return policy
+
+    # -------------------------------------------------------- control plane
+    def stored_runtime(self, policy: Policy) -> Runtime | None:
+        """The control plane's node states in Redis as a render runtime (drained nodes stay
+        ``down`` across ``kvgate up``), or None when there are none (a fresh fleet)."""
+        from .control.plane import runtime_for
+        from .control.store import Store, StoreError
+
+        try:
+            store = Store(policy.redis.url, timeout_s=1.0)
+            records = store.nodes()
+            pools = store.pools([p.name for p in policy.pools])
+        except StoreError:
+            return None
+        return runtime_for(policy, records, pools) if records else None
+
+    def control_url(self, policy: Policy) -> str:
+        from .control.plane import _local
+
+        return f"http://{_local(policy.control.listen)}"
+
+    def control_command(self, policy_path: Path, policy: Policy) -> list[str]:
+        """The ``kvgate control`` command line of this run directory."""
+        return [sys.executable, "-m", "kvgate", "--run-dir", str(self.run_dir), "control",
+                "--policy", str(Path(policy_path).resolve()), "--listen", policy.control.listen,
+                "--redis-url", policy.redis.url,
+                "--nginx-prefix", str(self.nginx.prefix), "--token-file", str(self.token_file)]
+
+    def _control_keeps(self, policy: Policy) -> bool:
+        """Whether a control plane of ours runs on the policy's address with the policy's Redis
+        (then it stays, and the policy is applied through its API)."""
+        pid = self._live_pid("control")
+        if not pid:
+            return False
+        cmd = self._cmdline(pid)
+
+        def arg(name: str) -> str | None:
+            return cmd[cmd.index(name) + 1] if name in cmd[:-1] else None
+
+        return arg("--listen") == policy.control.listen and arg("--redis-url") == policy.redis.url \
+            and self.http_healthy(self.control_url(policy) + "/healthz")
+
+    def apply_via_control(self, policy_path: Path, policy: Policy) -> str:
+        from .control.client import ControlClient, ControlError
+        from .control.token import read_token
+
+        try:
+            client = ControlClient(self.control_url(policy), read_token(self.token_file), timeout=120)
+            res = client.apply(Path(policy_path).read_text(encoding="utf-8"), source=f"kvgate up {policy_path}")
+        except (ControlError, OSError, ValueError) as exc:
+            raise StackError(f"control: applying the policy failed: {exc}") from None
+        return (f"applied policy version {res['version']} (nginx {res['result']})" if res["changed"]
+                else f"running (policy version {res['version']})")
+
+    def start_control(self, policy_path: Path, policy: Policy, timeout: float) -> str:
+        """Start ``kvgate control`` (restarting one on another address) and wait for ``/healthz``.
+        Returns ``started`` or ``restarted``."""
+        from .control.token import ensure_token
+
+        ensure_token(self.token_file)
+        restarted = bool(self._live_pid("control"))
+        if restarted:
+            self._stop_pid("control")
+        host, _, port = self.control_url(policy).removeprefix("http://").rpartition(":")
+        if _port_open(host.strip("[]"), int(port)):
+            raise StackError(f"control: {policy.control.listen} is already in use by another program")
+        log = open(self.logs / "control.log", "ab")
+        proc = subprocess.Popen(self.control_command(policy_path, policy), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+        log.close()
+        self._pid_file("control").write_text(f"{proc.pid}\n")
+        deadline = time.monotonic() + timeout
+        while not self.http_healthy(self.control_url(policy) + "/healthz"):
+            if proc.poll() is not None:
+                self._pid_file("control").unlink(missing_ok=True)
+                tail = (self.logs / "control.log").read_text(errors="replace").strip().splitlines()[-5:]
+                raise StackError("control plane exited at start: " + " | ".join(tail)
+                                 + f" (see {self.logs / 'control.log'})")
+            if time.monotonic() > deadline:
+                raise StackError(f"control plane not healthy after {timeout:.0f}s (see {self.logs / 'control.log'})")
+            time.sleep(0.1)
+        return "restarted" if restarted else "started"
+
+    def agent_command(self, policy: Policy, node: NodeConfig) -> list[str]:
+        """The ``kvgate agent`` command line for a simulated node."""
+        return [sys.executable, "-m", "kvgate", "agent", "--node-id", node.id, "--engine-url", node.url,
+                "--control-url", self.control_url(policy), "--token-file", str(self.token_file)]
+
+    def start_agent(self, policy: Policy, node: NodeConfig) -> str:
+        """Start the node agent of a simulated node (restart it when its arguments changed).
+        Returns ``started``, ``running`` or ``restarted``."""
+        name = f"agent-{node.id}"
+        cmd = self.agent_command(policy, node)
+        pid = self._live_pid(name)
+        restarted = False
+        if pid:
+            if self._cmdline(pid)[1:] == cmd[1:]:
+                return "running"
+            self._stop_pid(name)
+            restarted = True
+        log = open(self.logs / f"{name}.log", "ab")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, close_fds=True)
+        log.close()
+        self._pid_file(name).write_text(f"{proc.pid}\n")
+        return "restarted" if restarted else "started"
 
     def _wait_healthy(self, policy: Policy, sims: list[NodeConfig], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -377,7 +512,13 @@ class Stack:
         return True
 
     def down(self, echo=print) -> None:
-        """Stop nginx, the simulators and Redis of this run directory (whatever is running)."""
+        """Stop the agents, the control plane, nginx, the simulators and Redis of this run
+        directory (whatever is running). The control plane goes first, so it does not eject
+        nodes whose engines are being stopped."""
+        if self.pids.is_dir():
+            for f in sorted(self.pids.glob("agent-*.pid")) + [self._pid_file("control")]:
+                if f.exists() and self._stop_pid(f.stem):
+                    echo(f"{f.stem:<9} stopped")
         if self.nginx.pid():
             self.nginx.stop()
             echo("nginx     stopped")
@@ -410,4 +551,11 @@ class Stack:
         listen = policy.gateway.listen
         out.append(Component("nginx", self.nginx.pid(),
                              self.http_healthy(f"http://{listen}/kvgate/health"), f"http://{listen}"))
+        control = self.control_url(policy)
+        out.append(Component("control", self._live_pid("control"), self.http_healthy(control + "/healthz"),
+                             f"{control}  (admin token: kvgate token)"))
+        for node in policy.nodes():
+            if node.simulate:
+                pid = self._live_pid(f"agent-{node.id}")
+                out.append(Component(f"agent-{node.id}", pid, pid is not None, f"reports {node.id} to {control}"))
         return out

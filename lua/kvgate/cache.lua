@@ -4,7 +4,8 @@
 -- Failure policy: Redis errors fail open — the request is proxied as BYPASS, the
 -- error is counted in kvgate_cache_errors_total{op} and logged at most once per
 -- WARN_INTERVAL_S across workers. After an error, Redis is skipped for
--- BREAKER_S so an unreachable Redis costs one timeout per second, not one per request.
+-- kvgate.redis.BREAKER_S so an unreachable Redis costs one timeout per second, not one
+-- per request.
 -- Entries hold the final completion JSON (rebuilt from the chunks for streams),
 -- so a hit is replayed as SSE to a streaming client and as JSON otherwise.
 local cjson = require "cjson.safe"
@@ -23,15 +24,13 @@ local _M = {}
 
 local STATE = "kvgate_state"
 local WARN_INTERVAL_S = 10
-local BREAKER_S = 1
 
 local function cache_error(op, err)
     metrics.incr("kvgate_cache_errors_total", { op = op })
     local state = ngx.shared[STATE]
     if op == "get" or op == "set" then
-        if state then
-            state:set("redis_down", true, BREAKER_S)
-        end
+        -- the breaker in kvgate.redis: Redis is skipped for BREAKER_S
+        kredis.trip()
     end
     if state and state:add("warned:" .. op, true, WARN_INTERVAL_S) then
         ngx.log(ngx.WARN, "kvgate cache ", op, " failed (serving without the cache; next warning in ",
@@ -54,8 +53,7 @@ function _M.lookup(cfg, ctx, req, endpoint, headers)
         ctx.cache_reason = why
         return nil
     end
-    local state = ngx.shared[STATE]
-    if state and state:get("redis_down") then
+    if kredis.down() then
         ctx.cache_reason = "redis-down"
         metrics.incr("kvgate_cache_errors_total", { op = "skipped" })
         return nil
@@ -128,13 +126,16 @@ function _M.header_filter(ctx)
     ctx.size = 0
 end
 
---- body_filter(ctx, max_bytes): keep a copy of the body; give up past max_bytes
--- (headers are gone by then, so the skip shows only in the metric)
-function _M.body_filter(ctx, max_bytes)
+--- body_filter(ctx, max_bytes, chunk, eof): keep a copy of the body (the chunk as it
+-- is sent on, ngx.arg[1] and ngx.arg[2] by default); give up past max_bytes (headers are
+-- gone by then, so the skip shows only in the metric)
+function _M.body_filter(ctx, max_bytes, chunk, eof)
     if not ctx.capture then
         return
     end
-    local chunk = ngx.arg[1]
+    if chunk == nil then
+        chunk, eof = ngx.arg[1], ngx.arg[2]
+    end
     if chunk and chunk ~= "" then
         local size = ctx.size + #chunk
         if size > max_bytes then
@@ -147,7 +148,7 @@ function _M.body_filter(ctx, max_bytes)
         local buf = ctx.buf
         buf[#buf + 1] = chunk
     end
-    if ngx.arg[2] then
+    if eof then
         ctx.eof = true
     end
 end

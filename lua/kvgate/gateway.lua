@@ -6,13 +6,18 @@ local errors = require "kvgate.errors"
 local route_key = require "kvgate.route_key"
 local cache = require "kvgate.cache"
 local metrics = require "kvgate.metrics"
+local inflight = require "kvgate.inflight"
+local reqlog = require "kvgate.reqlog"
+local capture = require "kvgate.capture"
+local sse_guard = require "kvgate.sse_guard"
+local hash = require "kvgate.hash"
+local lrucache = require "resty.lrucache"
 -- preloaded here, in the master, so workers never read the file system
 require "kvgate.cache_key"
 require "kvgate.prompt"
 require "kvgate.sse"
 require "kvgate.redis"
 require "kvgate.json"
-require "kvgate.hash"
 
 local ngx = ngx
 local var = ngx.var
@@ -23,6 +28,8 @@ local tonumber = tonumber
 local lower = string.lower
 local find = string.find
 local match = string.match
+local sub = string.sub
+local floor = math.floor
 
 local _M = {}
 
@@ -35,6 +42,12 @@ local ENDPOINTS = {
     ["/v1/completions"] = "completions",
 }
 
+-- prefix capture: once per pool+fingerprint per worker per SEEN_TTL_S, so a hot prefix
+-- is not re-encoded and re-sent on every request (the SET is NX anyway)
+local SEEN_TTL_S = 60
+local SEEN_ITEMS = 4096
+local seen -- per worker (created in init_worker)
+
 --- init(): init_by_lua (master, root): read kvgate.json; fail nginx start/-t if bad
 function _M.init()
     local cfg, err = config.load()
@@ -44,6 +57,12 @@ function _M.init()
     end
 end
 
+--- init_worker(): per-worker state and the request-log flush timer
+function _M.init_worker()
+    seen = lrucache.new(SEEN_ITEMS)
+    reqlog.start()
+end
+
 local function node_of(cfg, addr)
     if not addr or addr == "" then
         return "none"
@@ -51,6 +70,43 @@ local function node_of(cfg, addr)
     -- "$upstream_addr" lists every node tried ("a:1, b:2", " : " across redirects)
     local last = match(addr, "([^%s,]+)$")
     return cfg.nodes_by_addr[last] or "unknown"
+end
+
+-- key_hash(route_key) -> 16 hex digits of sha256(route key), "" for an empty key
+local function key_hash(key)
+    if not key or key == "" then
+        return ""
+    end
+    local h = hash.sha256_hex(key)
+    return h and sub(h, 1, 16) or ""
+end
+
+-- the prompt prefix for warm-up, when the pool captures (opt-in); once per fingerprint
+-- per worker per SEEN_TTL_S
+local function capture_prefix(ctx, pool, pool_name, endpoint, fp, body)
+    local cap = pool.capture
+    if not (cap and cap.enabled and fp) then
+        return
+    end
+    local sk = pool_name .. ":" .. fp
+    if seen and seen:get(sk) then
+        return
+    end
+    if seen then
+        seen:set(sk, true, SEEN_TTL_S)
+    end
+    if endpoint ~= "chat" then
+        metrics.incr("kvgate_prefix_capture_skipped_total", { reason = "not-chat" })
+        return
+    end
+    local doc, why = capture.prefix_doc(body, cap.max_bytes)
+    if not doc then
+        metrics.incr("kvgate_prefix_capture_skipped_total", { reason = why })
+        return
+    end
+    ctx.cap = doc
+    ctx.cap_ttl = cap.ttl_s
+    ctx.cap_seen = sk
 end
 
 local function is_json(ct)
@@ -123,6 +179,18 @@ function _M.access()
     ctx.kind = kind
     ctx.endpoint = endpoint
     ctx.shared_prefix = shared_only
+    -- the prefix fingerprint for the request log, whatever decided the route
+    local fp
+    if kind == "prefix" and key ~= "" then
+        fp = sub(key, 3)
+    else
+        fp = route_key.prefix_key(req, endpoint, pool.prefix_chars)
+    end
+    ctx.fp = fp
+    ctx.key_hash = key_hash(key)
+    -- survives the internal redirect to @kvgate_upstream_error (ngx.ctx does not)
+    var.kvgate_log = kind .. " " .. (fp or "-") .. " " .. (ctx.key_hash ~= "" and ctx.key_hash or "-")
+    capture_prefix(ctx, pool, pool_name, endpoint, fp, body)
 
     local entry = cache.lookup(cfg, ctx, req, endpoint, headers)
     if entry then
@@ -130,7 +198,15 @@ function _M.access()
     end
 end
 
---- header_filter(): decision headers; start the cache capture
+local function is_sse(ct)
+    if type(ct) == "table" then
+        ct = ct[1]
+    end
+    return type(ct) == "string" and find(lower(ct), "text/event-stream", 1, true) ~= nil
+end
+
+--- header_filter(): decision headers; in-flight gauge; start the cache capture and the
+-- stream guard
 function _M.header_filter()
     local ctx = ngx.ctx
     if not ctx.routed then
@@ -138,30 +214,104 @@ function _M.header_filter()
     end
     local cfg = config.get()
     local h = ngx.header
+    local hit = ctx.cache == "HIT"
+    local node
+    if not hit then
+        local addr = var.upstream_addr
+        if addr and addr ~= "" then
+            node = node_of(cfg, addr)
+            ctx.node = node
+            inflight.begin(ctx, ctx.pool, node)
+        end
+    end
     h["X-Kvgate-Cache"] = ctx.cache or "BYPASS"
     if cfg.debug_headers then
-        h["X-Kvgate-Node"] = ctx.cache == "HIT" and "cache" or node_of(cfg, var.upstream_addr)
+        h["X-Kvgate-Node"] = hit and "cache" or node or "none"
         h["X-Kvgate-Route-Key-Kind"] = ctx.kind
         if ctx.cache_reason then
             h["X-Kvgate-Cache-Reason"] = ctx.cache_reason
         end
     end
-    if ctx.cache ~= "HIT" then
+    if not hit then
+        if node and ngx.status == 200 and is_sse(h["Content-Type"]) then
+            ctx.guard = sse_guard.new()
+        end
         cache.header_filter(ctx)
     end
 end
 
---- body_filter(): capture for the cache
+-- upstream_finished() -> true when nginx has closed the books on the last node: its
+-- $upstream_response_time is set only at finalization ("-" while it is sending)
+local function upstream_finished()
+    local t = var.upstream_response_time
+    return t ~= nil and match(t, "[%d.]+%s*$") ~= nil
+end
+
+--- body_filter(): mid-stream failure → SSE error event; capture for the cache
 function _M.body_filter()
     local ctx = ngx.ctx
+    local guard = ctx.guard
+    if not guard and not ctx.capture then
+        return
+    end
+    local chunk, eof = ngx.arg[1], ngx.arg[2]
+    if guard then
+        local finished = chunk == "" and not eof and upstream_finished()
+        local out, failed = sse_guard.step(guard, chunk, eof, finished, ctx.node)
+        if out then
+            ngx.arg[1] = out
+            chunk = out
+        end
+        if failed then
+            ctx.stream_failed = true
+            metrics.incr("kvgate_stream_errors_total", { pool = ctx.pool, node = ctx.node or "unknown" })
+            ngx.log(ngx.WARN, "kvgate: node ", ctx.node, " (", var.upstream_addr, ") failed mid-stream; ",
+                "sent an error event to the client")
+        end
+    end
     if ctx.capture then
-        cache.body_filter(ctx, config.get().cache.max_entry_bytes)
+        cache.body_filter(ctx, config.get().cache.max_entry_bytes, chunk, eof)
     end
 end
 
---- log(): metrics; hand a complete response to the cache writer
+-- the request-log entry of a routed request
+local function log_entry(ctx, node, status, cache_outcome)
+    local e = {
+        ts = ngx.req.start_time(),
+        pool = ctx.pool,
+        node = node,
+        status = status,
+        cache = cache_outcome,
+        kind = ctx.kind or "",
+        fp = ctx.fp or "",
+        key = ctx.key_hash or "",
+        ms = floor((tonumber(var.request_time) or 0) * 1000 + 0.5),
+    }
+    if ctx.cap then
+        if status < 400 then
+            e.cap = ctx.cap
+            e.cap_ttl = ctx.cap_ttl
+        else
+            -- a prompt the node refused is no warm-up material; let the next one try
+            metrics.incr("kvgate_prefix_capture_skipped_total", { reason = "error-status" })
+            if seen and ctx.cap_seen then
+                seen:delete(ctx.cap_seen)
+            end
+        end
+    end
+    reqlog.record(e)
+end
+
+--- log(): in-flight gauge, metrics, request log; hand a complete response to the cache writer
 function _M.log()
     local ctx = ngx.ctx
+    -- also on a client abort: the log phase always runs
+    inflight.finish(ctx)
+    if ctx.log_only then
+        -- every node failed (@kvgate_upstream_error): counted there, logged here
+        log_entry(ctx, "", ngx.status, "BYPASS")
+        return
+    end
     if ctx.rejected then
         metrics.incr("kvgate_bad_requests_total", { status = tostring(ctx.rejected) })
         return
@@ -173,10 +323,12 @@ function _M.log()
     local addr = var.upstream_addr
     local hit = ctx.cache == "HIT"
     local node = hit and "cache" or node_of(cfg, addr)
+    local status = ngx.status
     metrics.incr("kvgate_requests_total", {
-        pool = ctx.pool, node = node, status = tostring(ngx.status),
+        pool = ctx.pool, node = node, status = tostring(status),
         cache = ctx.cache or "BYPASS", route_key_kind = ctx.kind,
     })
+    log_entry(ctx, node == "none" and "" or node, status, ctx.cache or "BYPASS")
     if ctx.kind == "fallback" then
         metrics.incr("kvgate_route_key_fallback_total", { pool = ctx.pool })
     elseif ctx.shared_prefix then
@@ -210,10 +362,20 @@ function _M.upstream_error()
     local cfg = config.get()
     local up = var.kvgate_upstream or ""
     ctx.routed = false
+    local pool = cfg.upstream_pools[up]
     metrics.incr("kvgate_requests_total", {
-        pool = cfg.upstream_pools[up] or "none", node = "none", status = tostring(status),
+        pool = pool or "none", node = "none", status = tostring(status),
         cache = "BYPASS", route_key_kind = "none",
     })
+    -- the request did reach the routing step: it goes to the request log too
+    local kind, fp, kh = match(var.kvgate_log or "", "^(%S+) (%S+) (%S+)$")
+    if pool and kind then
+        ctx.log_only = true
+        ctx.pool = pool
+        ctx.kind = kind
+        ctx.fp = fp ~= "-" and fp or nil
+        ctx.key_hash = kh ~= "-" and kh or ""
+    end
     ngx.status = status
     ngx.header["Content-Type"] = "application/json"
     ngx.header["X-Kvgate-Cache"] = "BYPASS"
@@ -268,7 +430,7 @@ end
 --- metrics(): GET /metrics
 function _M.metrics()
     ngx.header["Content-Type"] = "text/plain; version=0.0.4"
-    ngx.print(metrics.render())
+    ngx.print(metrics.render({ [inflight.NAME] = inflight.lines(config.get()) }))
 end
 
 return _M

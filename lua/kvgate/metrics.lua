@@ -28,6 +28,12 @@ _M.FAMILIES = {
     kvgate_route_key_fallback_total = { "counter", "Requests that had none of the pool's affinity keys and used the fallback route key." },
     kvgate_route_key_shared_prefix_total = { "counter", "Prefix route keys whose window ended before the first user message's text: they cover only a system prompt/tools that many conversations share (a hot key; raise prefix_chars)." },
     kvgate_bad_requests_total = { "counter", "Requests rejected by the gateway before any node was contacted, by status." },
+    kvgate_upstream_inflight = { "gauge", "Requests in flight per node: counted from the response headers of the node until the request ends (all workers, across reloads)." },
+    kvgate_stream_errors_total = { "counter", "Streamed (SSE) responses whose node failed or timed out after the headers were sent; the client got an error event." },
+    kvgate_request_log_written_total = { "counter", "Request-log entries written to the Redis stream kvgate:log." },
+    kvgate_request_log_dropped_total = { "counter", "Request-log entries dropped, by reason (buffer-full, redis-down, redis-error, spill-full)." },
+    kvgate_prefix_captures_total = { "counter", "Prompt prefixes sent to Redis for warm-up (SET NX: an existing text is kept)." },
+    kvgate_prefix_capture_skipped_total = { "counter", "Prompt prefixes not captured although the pool captures, by reason (too-large, not-chat, no-messages, error-status)." },
 }
 
 _M.BUCKETS = { 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300 }
@@ -178,8 +184,25 @@ local function render_histogram(out, f, keys, d)
     end
 end
 
---- render() -> Prometheus text exposition format 0.0.4
-function _M.render()
+--- gauge_lines(values) -> sorted sample lines for a gauge family
+-- values: {[labels string as labels() makes it] = number}
+function _M.gauge_lines(name, values)
+    local keys = {}
+    for l in pairs(values) do
+        keys[#keys + 1] = l
+    end
+    sort(keys)
+    local out = {}
+    for i = 1, #keys do
+        out[i] = name .. keys[i] .. " " .. num(values[keys[i]])
+    end
+    return out
+end
+
+--- render(extra) -> Prometheus text exposition format 0.0.4
+-- extra (optional): {[family] = {sample line, ...}} for families not kept in the dict
+-- (gauges such as kvgate_upstream_inflight, from their own dict)
+function _M.render(extra)
     local d = dict()
     local keys = d and d:get_keys(0) or {}
     sort(keys)
@@ -205,7 +228,12 @@ function _M.render()
         local meta = _M.FAMILIES[f] or { "untyped", "" }
         out[#out + 1] = "# HELP " .. f .. " " .. meta[2]
         out[#out + 1] = "# TYPE " .. f .. " " .. meta[1]
-        if meta[1] == "histogram" then
+        if extra and extra[f] then
+            local lines = extra[f]
+            for i = 1, #lines do
+                out[#out + 1] = lines[i]
+            end
+        elseif meta[1] == "histogram" then
             render_histogram(out, f, by_family[f], d)
         else
             for _, k in ipairs(by_family[f]) do

@@ -1,13 +1,36 @@
 -- The one helper for all Redis use in the data path: a fresh client per call
 -- (never a module-level object), timeouts from the policy, the keepalive pool
 -- shared per host:port:db. Only usable where cosockets are (access, content, timers).
+--
+-- The breaker: after a failed Redis call the caller trips it (trip()), and every user
+-- (cache lookup, request-log flush) skips Redis while down() is true — BREAKER_S, shared
+-- by all workers through the kvgate_state dict — so an unreachable Redis costs one
+-- timeout per second instead of one per request or per flush.
 local redis = require "nginx.redis"
 
 local ngx = ngx
 local null = ngx.null
 local tostring = tostring
+local unpack = unpack
 
 local _M = {}
+
+local STATE = "kvgate_state"
+_M.BREAKER_S = 1
+
+--- down() -> true while the breaker is open (a Redis call failed less than BREAKER_S ago)
+function _M.down()
+    local state = ngx.shared[STATE]
+    return state and state:get("redis_down") or false
+end
+
+--- trip(): open the breaker for BREAKER_S (all workers)
+function _M.trip()
+    local state = ngx.shared[STATE]
+    if state then
+        state:set("redis_down", true, _M.BREAKER_S)
+    end
+end
 
 local function connect(cfg)
     local red = redis:new()
@@ -69,6 +92,29 @@ function _M.set(cfg, key, value, ttl_s)
     end
     release(red, cfg)
     return true
+end
+
+--- pipeline(cfg, cmds) -> replies | nil, err
+-- cmds: list of {command, arg, ...}; sent as one pipeline on one pooled connection.
+-- replies[i] is the reply of cmds[i], or {false, err} for an error reply (as
+-- lua-resty-redis gives them); a network error fails the whole call.
+function _M.pipeline(cfg, cmds)
+    local red, err = connect(cfg)
+    if not red then
+        return nil, err
+    end
+    red:init_pipeline(#cmds)
+    for i = 1, #cmds do
+        local c = cmds[i]
+        red[c[1]](red, unpack(c, 2))
+    end
+    local replies, perr = red:commit_pipeline()
+    if not replies then
+        red:close()
+        return nil, "pipeline: " .. tostring(perr)
+    end
+    release(red, cfg)
+    return replies
 end
 
 return _M

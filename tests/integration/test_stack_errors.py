@@ -27,12 +27,14 @@ class OneNode:
     node: int
     policy: Path
     run_dir: Path
+    control: int = 0
 
     def write(self, path: Path, *, gw: int | None = None, rd: int | None = None, time_scale: str = "0.01",
               extra_node: str = "") -> Path:
         path.write_text(f"""
 gateway: {{listen: "127.0.0.1:{gw or self.gw}"}}
 redis: {{url: "redis://127.0.0.1:{rd or self.rd}/0"}}
+control: {{listen: "127.0.0.1:{self.control}"}}
 pools:
   - name: p
     models: [m]
@@ -47,7 +49,7 @@ simulator: {{model: m, time_scale: {time_scale}}}
 
 @pytest.fixture
 def one_node(tmp_path):
-    stack = OneNode(free_port(), free_port(), free_port(), tmp_path / "p.yaml", tmp_path / "run")
+    stack = OneNode(free_port(), free_port(), free_port(), tmp_path / "p.yaml", tmp_path / "run", free_port())
     stack.write(stack.policy)
     yield stack
     kvgate(stack.run_dir, "down")

@@ -43,14 +43,15 @@ def conversation_subset(path: Path, n: int) -> list[dict]:
 
 @pytest.fixture
 def stack(tmp_path):
-    ports = [free_port() for _ in range(6)]
+    ports = [free_port() for _ in range(7)]
     policy = tmp_path / "policy.yaml"
     nodes = "\n".join(f'      - {{id: n{i + 1}, url: "http://127.0.0.1:{p}", simulate: true}}'
-                      for i, p in enumerate(ports[2:]))
+                      for i, p in enumerate(ports[2:6]))
     policy.write_text(f"""
 version: 1
 gateway: {{listen: "127.0.0.1:{ports[0]}", worker_processes: 2, debug_headers: true}}
 redis: {{url: "redis://127.0.0.1:{ports[1]}/0"}}
+control: {{listen: "127.0.0.1:{ports[6]}"}}
 pools:
   - name: default
     models: [demo-model]
@@ -74,12 +75,13 @@ def test_up_status_replay_down(stack, tmp_path):
 
     again = kvgate(run_dir, "up", str(policy))  # idempotent
     assert again.returncode == 0, again.stderr
-    assert "running" in again.stdout and "unchanged" in again.stdout
+    assert "running" in again.stdout and "control   running (policy version 1)" in again.stdout
 
     st = kvgate(run_dir, "status", "--json")
     assert st.returncode == 0, st.stdout + st.stderr
     parts = {p["name"]: p for p in json.loads(st.stdout)}
-    assert set(parts) == {"redis", "sim-n1", "sim-n2", "sim-n3", "sim-n4", "nginx"}
+    assert set(parts) == {"redis", "sim-n1", "sim-n2", "sim-n3", "sim-n4", "nginx", "control",
+                          "agent-n1", "agent-n2", "agent-n3", "agent-n4"}
     assert all(p["healthy"] for p in parts.values())
 
     trace = tmp_path / "conversations.jsonl"

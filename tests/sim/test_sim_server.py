@@ -188,6 +188,7 @@ EXPECTED_SAMPLES = {
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total", "vllm:request_success_total", "vllm:cache_config_info",
+    "process_start_time_seconds",  # prometheus_client's process collector in real vLLM; the engine's creation time
 } | {f"{h}_{s}" for h in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
                           "vllm:request_queue_time_seconds") for s in ("bucket", "count", "sum")}
 

@@ -26,6 +26,41 @@ def _fmt_tokens(n: float) -> str:
     return f"{n / 1e6:.2f}M" if abs(n) >= 1e6 else f"{n / 1e3:.1f}k"
 
 
+def _balancer_switch(stack, policy, restore_policy):
+    """``(apply(balancer) -> str, restore() -> None)``: through the control plane's API when
+    one runs (it owns nginx, and the switch is recorded as policy versions), else by
+    rendering nginx directly."""
+    from ..control.client import ControlClient, ControlError
+    from ..control.token import read_token
+    from ..policy import dump_policy
+
+    control = stack.control_url(restore_policy)
+    if stack._live_pid("control") and stack.http_healthy(control + "/healthz"):
+        try:
+            client = ControlClient(control, read_token(stack.token_file), timeout=120)
+        except (OSError, ValueError) as exc:
+            raise ControlError(f"cannot read the admin token {stack.token_file}: {exc}") from None
+        original = client.policy().get("yaml")
+
+        def apply(name: str) -> str:
+            res = client.apply(dump_policy(policy.with_balancer(name)), source=f"kvgate replay ({name})")
+            return f"policy version {res['version']} via the control plane (nginx {res['result']})"
+
+        def restore() -> None:
+            if original:
+                client.apply(original, source="kvgate replay (restore)")
+
+        return apply, restore
+
+    def apply_direct(name: str) -> str:
+        return f"nginx {stack.nginx.apply(policy.with_balancer(name))}"
+
+    def restore_direct() -> None:
+        stack.nginx.apply(restore_policy)
+
+    return apply_direct, restore_direct
+
+
 def render_table(reports: dict[str, PolicyReport], baseline: str | None) -> Table:
     """The replay's summary table: one column per balancer."""
     table = Table(title="kvgate trace replay: what affinity routing saved", title_justify="left")
@@ -84,6 +119,7 @@ def replay_command(ctx: click.Context, trace_path: Path, policy_path: Path | Non
     Before each balancer the engines' prefix caches are reset and nginx is re-rendered
     and reloaded with that balancer; afterwards the policy's own balancer is restored.
     """
+    from ..control.client import ControlError
     from ..nginxctl import NginxError
     from ..stack import Stack
 
@@ -142,11 +178,12 @@ def replay_command(ctx: click.Context, trace_path: Path, policy_path: Path | Non
     console.print(f"pooled ceiling {ceiling:.1%}: one cache of {num_blocks} blocks x {block_size} tokens "
                   f"(from {source}), computed offline in {time.perf_counter() - t:.1f} s")
 
+    apply_balancer, restore = _balancer_switch(stack, policy, restore_policy)
     reports: dict[str, PolicyReport] = {}
     try:
         for name in names:
-            result = stack.nginx.apply(policy.with_balancer(name))
-            console.print(f"[bold]{name}[/]: nginx {result}; resetting prefix caches")
+            result = apply_balancer(name)
+            console.print(f"[bold]{name}[/]: {result}; resetting prefix caches")
             reset_prefix_caches(nodes)
             before = {n.id: scrape_engine(n) for n in nodes}
             with Progress(TextColumn(f"{name:>12}"), BarColumn(), MofNCompleteColumn(),
@@ -167,13 +204,13 @@ def replay_command(ctx: click.Context, trace_path: Path, policy_path: Path | Non
             reports[name] = build_report(results, before, after, ceiling)
             for err in reports[name].errors:
                 console.print(f"  [red]error[/]: {err}")
-    except (ReplayError, NginxError) as exc:
+    except (ReplayError, NginxError, ControlError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     finally:
         try:
-            stack.nginx.apply(restore_policy)
-        except NginxError as exc:
+            restore()
+        except (NginxError, ControlError) as exc:
             click.echo(f"warning: could not restore the policy's balancer: {exc}", err=True)
 
     baseline = "round_robin" if "round_robin" in reports else None

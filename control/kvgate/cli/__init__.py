@@ -93,7 +93,8 @@ def validate(policy: Path) -> None:
 @click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for every part to be healthy.")
 @click.pass_context
 def up(ctx: click.Context, policy: Path, timeout: float) -> None:
-    """Start Redis, the engine simulators and the nginx gateway of POLICY [default: policies/demo.yaml].
+    """Start Redis, the engine simulators, the nginx gateway, the control plane and one node agent
+    per simulated engine, for POLICY [default: policies/demo.yaml].
 
     Safe to run twice: running parts are kept, a changed policy is reloaded.
     """
@@ -114,6 +115,8 @@ def up(ctx: click.Context, policy: Path, timeout: float) -> None:
     for node in pol.nodes():
         _progress(f"node {node.id:<4} {node.url}{'  (simulated)' if node.simulate else ''}")
     _progress(f"redis     {pol.redis.url}")
+    _progress(f"control   {stack.control_url(pol)}/api/v1   (admin token: `kvgate token`; "
+              f"nodes: `kvgate nodes`)")
     _progress(f"run dir   {stack.run_dir}  (logs in {stack.logs})")
 
 
@@ -153,3 +156,13 @@ def status(ctx: click.Context, as_json: bool) -> None:
             pid = str(p.pid) if p.pid else "-"
             click.echo(f"{p.name:<10} {state:<20} pid {pid:<8} {p.detail}")
     sys.exit(0 if all(p.healthy for p in parts) else 1)
+
+
+def _register_admin() -> None:
+    from .admin import COMMANDS
+
+    for cmd in COMMANDS:
+        main.add_command(cmd)
+
+
+_register_admin()

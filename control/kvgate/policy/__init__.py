@@ -1,6 +1,6 @@
 """Routing policy: YAML → validated model."""
 
-from .loader import PolicyError, PolicyIssue, load_policy, parse_policy, parse_policy_text
+from .loader import PolicyError, PolicyIssue, dump_policy, load_policy, parse_policy, parse_policy_text
 from .model import (
     CacheConfig,
     GatewayConfig,
@@ -13,5 +13,5 @@ from .model import (
 
 __all__ = [
     "CacheConfig", "GatewayConfig", "NodeConfig", "Policy", "PolicyError", "PolicyIssue",
-    "PoolConfig", "RedisConfig", "SimulatorConfig", "load_policy", "parse_policy", "parse_policy_text",
+    "PoolConfig", "RedisConfig", "SimulatorConfig", "dump_policy", "load_policy", "parse_policy", "parse_policy_text",
 ]

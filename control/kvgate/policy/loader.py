@@ -165,3 +165,9 @@ def load_policy(path: str | Path) -> Policy:
     except OSError as exc:
         raise PolicyError(str(p), [PolicyIssue("", f"cannot read the file: {exc.strerror}")]) from None
     return parse_policy_text(text, str(p))
+
+
+def dump_policy(policy: Policy) -> str:
+    """``policy`` as YAML text that :func:`parse_policy_text` reads back to an equal policy
+    (every field written out, defaults included)."""
+    return yaml.safe_dump(policy.model_dump(mode="json"), sort_keys=False, allow_unicode=True)

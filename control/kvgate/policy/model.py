@@ -53,6 +53,13 @@ class GatewayConfig(_Strict):
         description="Route key used when a request has none of the pool's affinity keys; counted in "
         "kvgate_requests_total{route_key_kind=\"fallback\"}.",
     )
+    client_keepalive_timeout_s: int = Field(
+        75, ge=0, le=3600,
+        description="How long an idle client connection stays open (nginx `keepalive_timeout`). After a reload, "
+        "old workers close their idle connections; a client that sends on one at that instant sees a connection "
+        "reset (the OpenAI SDKs retry it). 0 closes every connection after its response: no reset, one TCP "
+        "handshake per request.",
+    )
     worker_shutdown_timeout_s: int = Field(
         300, ge=1, description="How long old workers may finish streams after a reload (seconds)."
     )

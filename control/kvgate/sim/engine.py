@@ -104,10 +104,13 @@ class SimMetrics:
     ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries_total``,
     ``vllm:prefix_cache_hits_total``, ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
     ``vllm:request_success_total{finished_reason}``, ``vllm:time_to_first_token_seconds``,
-    ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``, ``vllm:cache_config_info``.
+    ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``, ``vllm:cache_config_info``,
+    and ``process_start_time_seconds`` (unix seconds; real vLLM exposes it through prometheus_client's
+    process collector), set to ``start_time``: the creation time of the engine, so a scraper can tell a
+    restarted engine (counters back at zero) from a quiet one.
     """
 
-    def __init__(self, config: SimulatorConfig):
+    def __init__(self, config: SimulatorConfig, start_time: float | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ("model_name", "engine")
         values = (config.model, "0")
@@ -141,6 +144,9 @@ class SimMetrics:
         info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                      ("block_size", "enable_prefix_caching", "engine", "num_gpu_blocks"), registry=r)
         info.labels(str(config.block_size), "True", "0", str(config.num_gpu_blocks)).set(1)
+        self.start_time = time.time() if start_time is None else start_time
+        Gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds.",
+              registry=r).set(self.start_time)
 
     def exposition(self) -> bytes:
         """Prometheus text format 0.0.4, without prometheus_client's ``*_created`` series (vLLM has none)."""
@@ -162,8 +168,9 @@ class Engine:
         if prefill_slots < 1:
             raise ValueError(f"prefill_slots must be ≥ 1, got {prefill_slots}")
         self.config = config
+        self.created = time.time()  # unix s; exposed as process_start_time_seconds
         self.cache = PrefixCache(config.num_gpu_blocks, config.block_size)
-        self.metrics = SimMetrics(config)
+        self.metrics = SimMetrics(config, start_time=self.created)
         self.num_running = 0
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._prefill = asyncio.Semaphore(prefill_slots)

@@ -1,0 +1,34 @@
+# kvgate: one image for every service of docker-compose.yml (Redis, the nginx gateway, the
+# control plane, the engine simulators and the node agents); each service picks its command.
+# It installs exactly what `make setup` installs, with the same script, less the test extras.
+#   docker build -t kvgate:local .        (or: docker compose build)
+FROM debian:bookworm-slim
+
+LABEL org.opencontainers.image.title="kvgate" \
+      org.opencontainers.image.description="Cache-affinity gateway for fleets of OpenAI-compatible LLM inference servers" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONUNBUFFERED=1
+
+WORKDIR /opt/kvgate
+
+# Debian packages first, in a layer of their own: it is rebuilt only when the script changes,
+# not on every source change. (No `playwright install`: the image runs no browser.)
+COPY scripts/setup scripts/setup
+RUN bash scripts/setup --no-venv \
+    && rm -rf /var/lib/apt/lists/*
+
+# The source tree, then the venv: an editable install, because the renderer finds nginx/ and
+# lua/ next to the package (see scripts/setup). .dockerignore keeps the host's .venv out.
+COPY . .
+RUN bash scripts/setup --no-test-extras
+
+ENV PATH=/opt/kvgate/.venv/bin:$PATH
+
+# gateway (client traffic) and control plane (admin API, /metrics); the simulators listen on
+# 8000 and Redis on 6379 inside the compose network only.
+EXPOSE 8080 9090
+
+CMD ["kvgate", "--help"]

@@ -1,0 +1,244 @@
+"""Operator commands that go through the control plane's API with the admin token:
+``kvgate nodes``, ``drain``, ``undrain``, ``warm``, ``apply``, ``events``, ``token``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+_conn = [
+    click.option("--control-url", envvar="KVGATE_CONTROL_URL", default=None,
+                 help="Control plane URL [default: the running stack's control.listen]."),
+    click.option("--token", envvar="KVGATE_TOKEN", default=None,
+                 help="Admin token [default: <run dir>/admin.token]."),
+]
+
+
+def connection(f):
+    for opt in reversed(_conn):
+        f = opt(f)
+    return f
+
+
+def _client(ctx: click.Context, control_url: str | None, token: str | None):
+    from ..control.client import ControlClient, ControlError, resolve
+    from ..stack import default_run_dir
+
+    run_dir = Path((ctx.obj or {}).get("run_dir") or default_run_dir())
+    try:
+        url, tok = resolve(run_dir, control_url, token)
+    except ControlError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    return ControlClient(url, tok)
+
+
+def _fail(exc) -> None:
+    click.echo(f"error: {exc}", err=True)
+    sys.exit(2 if 400 <= getattr(exc, "status", 0) < 500 else 1)
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def node_row(n: dict) -> list[str]:
+    rep = n.get("report") or {}
+    eng = rep.get("engine") or {}
+    gpu = rep.get("gpu") or {}
+    if gpu.get("status") == "ok":
+        devs = gpu.get("devices") or []
+        used = sum(d.get("memory_used_bytes") or 0 for d in devs) / 2**30
+        total = sum(d.get("memory_total_bytes") or 0 for d in devs) / 2**30
+        gtxt = f"{used:.0f}/{total:.0f} GiB"
+    else:
+        gtxt = "no GPU" if rep else "-"
+    q, h = eng.get("prefix_cache_queries"), eng.get("prefix_cache_hits")
+    hit = eng.get("prefix_cache_hit_rate")
+    if hit is None and q:
+        hit = (h or 0) / q
+    age = n.get("report_age_s")
+    return [n["id"], n["pool"], n["state"], str(n.get("weight") if n.get("weight") is not None else "-"),
+            str(n.get("target_weight") or "-"), gtxt,
+            "-" if eng.get("running") is None else f"{eng['running']:.0f}/{eng.get('waiting') or 0:.0f}",
+            _pct(eng.get("kv_cache_usage")), _pct(hit), "-" if age is None else f"{age:.0f}s"]
+
+
+@click.command("nodes")
+@click.option("--json", "as_json", is_flag=True, help="Print the API's JSON.")
+@connection
+@click.pass_context
+def nodes_command(ctx, as_json: bool, control_url, token) -> None:
+    """List the nodes: state, weight in force and target, GPU memory, running/waiting, KV-cache use,
+    prefix-cache hit ratio (engine lifetime) and report age."""
+    from ..control.client import ControlError
+
+    try:
+        nodes = _client(ctx, control_url, token).nodes()
+    except ControlError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(nodes, indent=2))
+        return
+    head = ["node", "pool", "state", "weight", "target", "gpu mem", "run/wait", "kv use", "prefix hit", "report"]
+    rows = [head] + [node_row(n) for n in nodes]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+@click.command("drain")
+@click.argument("node")
+@click.option("--wait", is_flag=True, help="Wait until the node is drained (exit 0), or the timeout (exit 1).")
+@click.option("--timeout", default=900.0, show_default=True, help="Seconds --wait waits.")
+@connection
+@click.pass_context
+def drain_command(ctx, node: str, wait: bool, timeout: float, control_url, token) -> None:
+    """Stop new requests reaching NODE; with --wait, return once its in-flight requests finished."""
+    from ..control.client import ControlError
+
+    client = _client(ctx, control_url, token)
+    try:
+        n = client.action(node, "drain")
+        click.echo(f"{node}: {n['state']}")
+        if not wait:
+            return
+        deadline = time.monotonic() + timeout
+        last = None
+        while n["state"] == "draining":
+            if time.monotonic() > deadline:
+                click.echo(f"error: {node} still draining after {timeout:.0f}s", err=True)
+                sys.exit(1)
+            time.sleep(0.5)
+            n = client.node(node)
+            d = n.get("drain") or {}
+            now = (d.get("inflight_gateway"), d.get("inflight_engine"))
+            if now != last and n["state"] == "draining":
+                click.echo(f"{node}: draining, in flight: gateway {_num(now[0])}, engine {_num(now[1])}")
+                last = now
+    except ControlError as exc:
+        _fail(exc)
+    if n["state"] != "drained":
+        click.echo(f"error: {node} is {n['state']} ({n.get('reason')})", err=True)
+        sys.exit(1)
+    click.echo(f"{node}: drained ({n.get('reason')})")
+
+
+def _num(v) -> str:
+    return "?" if v is None else f"{v:.0f}"
+
+
+@click.command("undrain")
+@click.argument("node")
+@connection
+@click.pass_context
+def undrain_command(ctx, node: str, control_url, token) -> None:
+    """Bring a drained NODE back: warm-up, then its weight ramps up to active."""
+    from ..control.client import ControlError
+
+    try:
+        n = _client(ctx, control_url, token).action(node, "undrain")
+    except ControlError as exc:
+        _fail(exc)
+    click.echo(f"{node}: {n['state']} (then ramping, then active; follow with `kvgate nodes`)")
+
+
+@click.command("warm")
+@click.argument("node")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait for the warm-up to finish.")
+@connection
+@click.pass_context
+def warm_command(ctx, node: str, wait: bool, control_url, token) -> None:
+    """Send NODE the pool's warm-up prompts and hottest prefixes now (its state does not change)."""
+    from ..control.client import ControlError
+
+    client = _client(ctx, control_url, token)
+    try:
+        n = client.action(node, "warm")
+        while wait and (n.get("warmup") or {}).get("status") == "running":
+            time.sleep(0.5)
+            n = client.node(node)
+    except ControlError as exc:
+        _fail(exc)
+    w = n.get("warmup") or {}
+    r = w.get("result") or {}
+    if not wait:
+        click.echo(f"{node}: warm-up started")
+        return
+    click.echo(f"{node}: warm-up {w.get('status')}: {r.get('sent', 0)} sent, {r.get('failed', 0)} failed "
+               f"({r.get('from_policy', 0)} policy prompt(s), {r.get('from_hot_prefixes', 0)} hot prefix(es)); "
+               f"TTFT {r.get('ttft_before_ms')} ms before, {r.get('ttft_after_ms')} ms after")
+    if w.get("status") == "failed":
+        sys.exit(1)
+
+
+@click.command("apply")
+@click.argument("policy", type=click.Path(dir_okay=False, path_type=Path))
+@connection
+@click.pass_context
+def apply_command(ctx, policy: Path, control_url, token) -> None:
+    """Apply POLICY through the control plane (validated, nginx -t, reload; the running config
+    keeps serving on any error)."""
+    from ..control.client import ControlError
+
+    try:
+        text = policy.read_text(encoding="utf-8")
+    except OSError as exc:
+        click.echo(f"error: cannot read {policy}: {exc.strerror}", err=True)
+        sys.exit(2)
+    try:
+        res = _client(ctx, control_url, token).apply(text, source=f"kvgate apply {policy}")
+    except ControlError as exc:
+        if exc.issues:
+            click.echo(f"error: invalid policy {policy}:", err=True)
+            for i in exc.issues:
+                click.echo(f"  {i['path']}: {i['reason']}" if i.get("path") else f"  {i['reason']}", err=True)
+            sys.exit(2)
+        _fail(exc)
+    what = "applied as version" if res["changed"] else "unchanged, still version"
+    click.echo(f"{policy}: {what} {res['version']} (nginx {res['result']})")
+
+
+@click.command("events")
+@click.option("--node", default=None, help="Only this node's events.")
+@click.option("--kind", default=None, help="Only events of this kind (prefix: state, reload, warmup, degrade, ...).")
+@click.option("-n", "--limit", default=30, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@connection
+@click.pass_context
+def events_command(ctx, node, kind, limit, as_json, control_url, token) -> None:
+    """Show the control plane's events, newest first."""
+    from ..control.client import ControlError
+
+    try:
+        events = _client(ctx, control_url, token).events(limit=limit, node=node, kind=kind)
+    except ControlError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(events, indent=2))
+        return
+    for ev in events:
+        ts = time.strftime("%H:%M:%S", time.localtime(ev["ts"]))
+        click.echo(f"{ts}  {ev['kind']:<16} {ev['message']}")
+
+
+@click.command("token")
+@click.pass_context
+def token_command(ctx) -> None:
+    """Print the admin token of this run directory (created by `kvgate up` / `kvgate control`)."""
+    from ..control.token import TOKEN_FILE, read_token
+    from ..stack import default_run_dir
+
+    path = Path((ctx.obj or {}).get("run_dir") or default_run_dir()) / TOKEN_FILE
+    try:
+        click.echo(read_token(path))
+    except (OSError, ValueError) as exc:
+        click.echo(f"error: no admin token at {path} ({exc}); start the stack with `kvgate up`", err=True)
+        sys.exit(1)
+
+
+COMMANDS = [nodes_command, drain_command, undrain_command, warm_command, apply_command, events_command, token_command]

@@ -1,0 +1,106 @@
+"""``kvgate control``: run the control plane (API + reconciler) with waitress."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from ..policy import PolicyError
+
+
+@click.command("control")
+@click.option("--policy", "policy_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Policy to apply at start [default: the latest version applied before, kept in Redis].")
+@click.option("--redis-url", default=None, help="Redis with the control plane's state [default: the policy's redis.url].")
+@click.option("--nginx-prefix", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="The gateway's nginx prefix [default: <run dir>/nginx].")
+@click.option("--listen", default=None, help="HOST:PORT to serve on [default: the policy's control.listen].")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Admin token file, created (mode 0600) if missing [default: <run dir>/admin.token].")
+@click.option("--external-gateway", is_flag=True,
+              help="Never start nginx (another process runs it): write the config and reload a running master.")
+@click.option("--threads", default=8, show_default=True, help="waitress worker threads.")
+@click.pass_context
+def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str | None, nginx_prefix: Path | None,
+                    listen: str | None, token_file: Path | None, external_gateway: bool, threads: int) -> None:
+    """Run the control plane: admin API, node states, weights, drain, warm-up and ramp.
+
+    It owns the gateway's nginx config while it runs; its state lives in Redis.
+    """
+    import waitress
+
+    from ..nginxctl import Nginx
+    from ..policy import load_policy
+    from ..stack import default_run_dir
+    from .app import create_app
+    from .plane import ApplyError, ControlPlane
+    from .store import Store, StoreError
+    from .token import TOKEN_FILE, ensure_token
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+    run_dir = Path((ctx.obj or {}).get("run_dir") or default_run_dir()).resolve()
+    text = None
+    try:
+        if policy_path is not None:
+            policy = load_policy(policy_path)
+            text = policy_path.read_text(encoding="utf-8")
+            source = f"kvgate control --policy {policy_path}"
+        else:
+            policy = None
+            source = "restart"
+    except PolicyError as exc:
+        click.echo(f"error: invalid policy {exc.source}:", err=True)
+        for issue in exc.issues:
+            click.echo(f"  {issue}", err=True)
+        sys.exit(2)
+    url = redis_url or (policy.redis.url if policy else None)
+    if not url:
+        raise click.UsageError("pass --policy or --redis-url (where the state of a previous run is)")
+    store = Store(url)
+    if not store.ping():
+        click.echo(f"error: cannot reach Redis at {url}", err=True)
+        sys.exit(1)
+    token, created = ensure_token(token_file or run_dir / TOKEN_FILE)
+    if created:
+        click.echo(f"admin token written to {token_file or run_dir / TOKEN_FILE} (mode 0600)", err=True)
+    plane = ControlPlane(store, Nginx(nginx_prefix or run_dir / "nginx"), run_dir=run_dir,
+                         external_gateway=external_gateway)
+    try:
+        plane.start(text, source)
+    except PolicyError as exc:
+        click.echo(f"error: invalid policy {exc.source}: " + "; ".join(str(i) for i in exc.issues), err=True)
+        sys.exit(2)
+    except (ApplyError, StoreError, ValueError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    assert plane.policy is not None
+    listen = listen or plane.policy.control.listen
+    host, _, port = listen.rpartition(":")
+    try:
+        server = waitress.create_server(create_app(plane, token), host=host.strip("[]"), port=int(port),
+                                        threads=threads, ident="kvgate-control")
+    except OSError as exc:
+        plane.stop()
+        click.echo(f"error: cannot listen on {listen}: {exc.strerror or exc}", err=True)
+        sys.exit(1)
+
+    def _stop(signum, _frame):
+        # server.close() only closes the listening socket: waitress's loop keeps running while a
+        # client holds an idle keep-alive connection. SystemExit raised here, in the main thread
+        # that runs the loop, ends server.run() (waitress catches it and stops its workers).
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    click.echo(f"kvgate control on http://{listen} (policy version "
+               f"{(plane.policy_version or {}).get('version')}, {len(plane.nodes)} node(s))", err=True)
+    try:
+        server.run()
+    except (OSError, ValueError):
+        pass  # closed by the signal handler
+    plane.stop()

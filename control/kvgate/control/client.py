@@ -1,0 +1,110 @@
+"""A small client of the control plane's API (used by the CLI and the trace replay)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from .token import TOKEN_FILE, read_token
+
+
+class ControlError(RuntimeError):
+    """The API answered an error or could not be reached. ``status`` is the HTTP status (0: no answer),
+    ``issues`` the field problems of a rejected policy."""
+
+    def __init__(self, message: str, status: int = 0, issues: list[dict[str, str]] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.issues = issues or []
+
+
+def resolve(run_dir: Path, url: str | None = None, token: str | None = None) -> tuple[str, str]:
+    """The control plane URL and admin token to use.
+
+    URL: ``url``, else ``$KVGATE_CONTROL_URL``, else the running stack's ``control.listen``,
+    else ``http://127.0.0.1:9090``. Token: ``token``, else ``$KVGATE_TOKEN``, else
+    ``<run_dir>/admin.token``. Raises ControlError when no token can be found.
+    """
+    url = url or os.environ.get("KVGATE_CONTROL_URL")
+    if not url:
+        from ..stack import Stack
+
+        listen = "127.0.0.1:9090"
+        try:
+            running = Stack(run_dir).load_running_policy()
+            if running is not None:
+                listen = running.control.listen
+        except Exception:  # an unreadable running policy must not hide the default
+            pass
+        from .plane import _local
+
+        url = f"http://{_local(listen)}"
+    token = token or os.environ.get("KVGATE_TOKEN")
+    if not token:
+        path = Path(run_dir) / TOKEN_FILE
+        try:
+            token = read_token(path)
+        except (OSError, ValueError) as exc:
+            raise ControlError(f"no admin token: {path} is not readable ({exc}); pass --token or set "
+                               "KVGATE_TOKEN") from None
+    return url.rstrip("/"), token
+
+
+class ControlClient:
+    """``ControlClient(url, token)``; every method returns the decoded JSON or raises ControlError."""
+
+    def __init__(self, url: str, token: str, timeout: float = 30.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.s = requests.Session()
+        self.s.headers["Authorization"] = f"Bearer {token}"
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            resp = self.s.request(method, self.url + path, timeout=kwargs.pop("timeout", self.timeout), **kwargs)
+        except requests.RequestException as exc:
+            raise ControlError(f"control plane at {self.url} not reachable: {type(exc).__name__} "
+                               "(is it running? `kvgate status`)") from None
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if resp.status_code >= 400:
+            err = (body or {}).get("error") if isinstance(body, dict) else None
+            message = err.get("message") if isinstance(err, dict) else resp.text[:300]
+            issues = err.get("issues") if isinstance(err, dict) else None
+            raise ControlError(f"HTTP {resp.status_code}: {message}", resp.status_code, issues)
+        return body
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/api/v1/nodes")["nodes"]
+
+    def node(self, node_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/api/v1/nodes/{node_id}")
+
+    def action(self, node_id: str, action: str) -> dict[str, Any]:
+        return self._call("POST", f"/api/v1/nodes/{node_id}/{action}")
+
+    def apply(self, yaml_text: str, source: str = "kvgate apply") -> dict[str, Any]:
+        return self._call("PUT", "/api/v1/policy", data=yaml_text.encode(), timeout=120,
+                          headers={"Content-Type": "application/yaml", "X-Kvgate-Source": source})
+
+    def validate(self, yaml_text: str) -> dict[str, Any]:
+        return self._call("POST", "/api/v1/policy/validate", data=yaml_text.encode(),
+                          headers={"Content-Type": "application/yaml"})
+
+    def policy(self) -> dict[str, Any]:
+        return self._call("GET", "/api/v1/policy")
+
+    def events(self, limit: int = 50, node: str | None = None, kind: str | None = None) -> list[dict[str, Any]]:
+        params = {"limit": limit, **({"node": node} if node else {}), **({"kind": kind} if kind else {})}
+        return self._call("GET", "/api/v1/events", params=params)["events"]
+
+    def healthy(self) -> bool:
+        try:
+            return self.s.get(self.url + "/healthz", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False

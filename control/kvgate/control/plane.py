@@ -1,0 +1,891 @@
+"""The control plane's core: node states, health, weights, drain, warm-up, ramp, overload degrade.
+
+One :class:`ControlPlane` owns the gateway's nginx config while it runs. Every
+change (an operator action, a report, a tick of the reconciler) ends in
+:meth:`ControlPlane._apply_runtime`, which renders the policy with the live
+:class:`~kvgate.render.Runtime` (weights, ``down`` nodes, balancer switches) and
+applies it as a transaction (:meth:`kvgate.nginxctl.Nginx.apply`: render, compare,
+``nginx -t`` on a staged copy, atomic swap, reload, wait for the new digest, keep the
+last good config). A config that fails leaves the running one serving and becomes
+an event and ``kvgate_control_reloads_total{result="failed"}``.
+
+The reconciler (:meth:`tick`, every ``control.tick_s``) scrapes the gateway's
+``/metrics`` (per-node in-flight requests, answers by status, failovers), probes
+each engine's ``/health`` every ``health.probe_interval_s``, and moves nodes:
+ejects failing ones, brings recovered ones back, advances ramps, finishes drains,
+switches overloaded pools to ``least_conn`` and back, and follows load with damped
+weights. Node records, reports, events and applied policy versions are kept in Redis
+(:mod:`kvgate.control.store`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import requests
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..nginxctl import Nginx, NginxError
+from ..policy import PolicyError, parse_policy_text
+from ..policy.model import Policy
+from ..render import WEIGHT_SCALE, Runtime
+from . import states as st
+from .store import Store, StoreError
+from .warmup import WarmupResult, run_warmup
+from .weights import Damper, capacities, computed_weight, load_factor, ramp_weight
+
+log = logging.getLogger("kvgate.control")
+
+
+class ApplyError(RuntimeError):
+    """nginx refused or failed to load a config; the running config keeps serving."""
+
+
+class NotFound(KeyError):
+    """No node (or version) with that id."""
+
+
+def _local(listen: str) -> str:
+    """An address to connect to for a listen address (``0.0.0.0:8080`` → ``127.0.0.1:8080``)."""
+    host, _, port = listen.rpartition(":")
+    if host in ("0.0.0.0", "*", ""):
+        host = "127.0.0.1"
+    elif host in ("::", "[::]"):
+        host = "[::1]"
+    return f"{host}:{port}"
+
+
+def runtime_for(policy: Policy, records: dict[str, dict[str, Any]], pools: dict[str, dict[str, Any]]) -> Runtime:
+    """The gateway runtime for node ``records`` and pool states (as stored in Redis).
+
+    ``active`` nodes get their target weight, ``ramping`` ones the ramp step's share of it,
+    every other state 0 (nginx ``down``); a node without a record is ``joining`` (0) unless
+    there are no records at all (a fresh fleet: every node at its base weight). Pools in
+    overload degrade get ``least_conn``.
+    """
+    weights: dict[str, int] = {}
+    for node in policy.nodes():
+        rec = records.get(node.id)
+        if rec is None:
+            weights[node.id] = 0 if records else node.weight * WEIGHT_SCALE
+            continue
+        target = rec.get("target_weight") or node.weight * WEIGHT_SCALE
+        if rec.get("base_weight") != node.weight:
+            target = node.weight * WEIGHT_SCALE
+        if rec["state"] == st.ACTIVE:
+            weights[node.id] = target
+        elif rec["state"] == st.RAMPING:
+            steps = policy.ramp.steps
+            step = (rec.get("ramp") or {}).get("step", 0)
+            weights[node.id] = ramp_weight(target, steps[min(step, len(steps) - 1)])
+        else:
+            weights[node.id] = 0
+    balancers = {name: "least_conn" for name, p in pools.items() if p.get("degraded")}
+    return Runtime(weights=weights, balancers=balancers)
+
+
+class ControlMetrics:
+    """``kvgate_control_*`` metrics on a private registry (served at the control plane's ``/metrics``)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.reloads = Counter("kvgate_control_reloads", "Gateway config applies by result "
+                               "(reloaded, started, written, unchanged, failed).", ["result"], registry=r)
+        self.policy_applies = Counter("kvgate_control_policy_applies", "Policy applies by result "
+                                      "(applied, invalid, failed).", ["result"], registry=r)
+        self.transitions = Counter("kvgate_control_node_transitions", "Node state transitions.",
+                                   ["node", "from_state", "to_state"], registry=r)
+        self.state = Gauge("kvgate_control_node_state", "1 for the node's current state.", ["node", "state"], registry=r)
+        self.weight = Gauge("kvgate_control_node_weight", "nginx weight in force (0 = down).", ["node"], registry=r)
+        self.target = Gauge("kvgate_control_node_target_weight", "Target weight: base × capacity × load, damped.",
+                            ["node"], registry=r)
+        self.inflight = Gauge("kvgate_control_node_inflight", "Requests in flight on the node "
+                              "(max of the gateway's count and the engine's running + waiting).", ["node"], registry=r)
+        self.reports = Counter("kvgate_control_reports", "Agent reports received.", ["node"], registry=r)
+        self.report_age = Gauge("kvgate_control_report_age_seconds", "Age of the node's last agent report.",
+                                ["node"], registry=r)
+        self.health_checks = Counter("kvgate_control_health_checks", "Health checks by result (pass, fail).",
+                                     ["node", "result"], registry=r)
+        self.degraded = Gauge("kvgate_control_pool_degraded", "1 while overload degrade (least_conn) is in force.",
+                              ["pool"], registry=r)
+        self.degrade_switches = Counter("kvgate_control_degrade_switches", "Overload degrade switches "
+                                        "(to=least_conn or to=<the pool's balancer>).", ["pool", "to"], registry=r)
+        self.warmups = Counter("kvgate_control_warmups", "Warm-ups by result (ok, partial, failed).",
+                               ["node", "result"], registry=r)
+        self.warmup_ttft = Gauge("kvgate_control_warmup_ttft_seconds", "TTFT of the node's first warm-up prompt "
+                                 "before and after its last warm-up.", ["node", "when"], registry=r)
+        self.ticks = Counter("kvgate_control_ticks", "Reconciler rounds.", registry=r)
+        self.tick_errors = Counter("kvgate_control_tick_errors", "Reconciler rounds that failed (logged).", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ControlPlane:
+    """Node registry, reconciler and operator actions over one gateway.
+
+    Args:
+        store: Redis state.
+        nginx: the gateway's nginx prefix.
+        run_dir: where the running policy copy (``policy.yaml``) is kept for ``kvgate up``.
+        external_gateway: never start nginx (another process, e.g. the compose ``gateway``
+            service, runs it): write the config and reload a running master only.
+    """
+
+    def __init__(self, store: Store, nginx: Nginx, run_dir: Path | None = None, external_gateway: bool = False):
+        self.store = store
+        self.nginx = nginx
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.external_gateway = external_gateway
+        self.metrics = ControlMetrics()
+        self.lock = threading.RLock()
+        self.policy: Policy | None = None
+        self.policy_version: dict[str, Any] | None = None
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.pools: dict[str, dict[str, Any]] = {}
+        self.applied: Runtime | None = None
+        self._failed_runtime: tuple | None = None
+        self._gateway: dict[str, Any] = {"ok": False, "inflight": {}, "requests": {}, "errors": {}, "failovers": {}}
+        self._probe_due = 0.0
+        self._started_at = time.time()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._warmups: dict[str, threading.Thread] = {}
+        self._http = requests.Session()
+
+    # ================================================================ lifecycle
+    def start(self, policy_text: str | None, source: str) -> None:
+        """Load state from Redis, apply the policy and start the reconciler.
+
+        ``policy_text`` (the ``--policy`` file) is applied when it differs from the file
+        applied at the previous start; when the file is unchanged, the latest applied
+        version stays (a policy applied through the API survives a restart). Without a
+        file, the latest version is used.
+
+        Raises:
+            PolicyError: the policy is invalid. StoreError: Redis is unreachable.
+            ApplyError: nginx refused the config. ValueError: no policy anywhere.
+        """
+        latest = self.store.latest_version()
+        file_digest = hashlib.sha256(policy_text.encode()).hexdigest() if policy_text is not None else None
+        if policy_text is None or (latest and self.store.get("startup_file_digest") == file_digest):
+            if latest is None:
+                raise ValueError("no policy: pass --policy (nothing was applied before in this Redis)")
+            policy_text, source = latest["yaml"], f"restart (version {latest['version']})"
+        with self.lock:
+            self.nodes = self.store.nodes()
+            if latest and latest["yaml"] == policy_text:
+                policy = parse_policy_text(policy_text, f"version {latest['version']}")
+                self._adopt(policy, policy_text)
+                self.policy_version = latest
+                self._apply_runtime(force=True)
+            else:
+                self.apply_policy(policy_text, source)
+            if file_digest:
+                self.store.set("startup_file_digest", file_digest)
+        self._thread = threading.Thread(target=self._loop, name="kvgate-reconciler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.tick()
+            except Exception:  # the loop must survive anything; the error is logged and counted
+                self.metrics.tick_errors.inc()
+                log.exception("reconciler round failed")
+            interval = self.policy.control.tick_s if self.policy else 1.0
+            self._stop.wait(max(0.05, interval - (time.monotonic() - started)))
+
+    # ================================================================== events
+    def _event(self, kind: str, message: str, node: str | None = None, pool: str | None = None, **data: Any) -> None:
+        keep = self.policy.control.events_kept if self.policy else 10000
+        self.store.add_event(kind, message, node=node, pool=pool, keep=keep, **data)
+        log.info("%s: %s", kind, message)
+
+    def _save(self, rec: dict[str, Any]) -> None:
+        try:
+            self.store.put_node(rec)
+        except StoreError as exc:
+            log.warning("%s", exc)
+
+    def _transition(self, rec: dict[str, Any], to: str, reason: str, action: str | None = None) -> None:
+        st.check(rec["id"], rec["state"], to, action)
+        old = rec["state"]
+        rec.update(state=to, since=time.time(), reason=reason)
+        self.metrics.transitions.labels(rec["id"], old, to).inc()
+        self._save(rec)
+        self._event("state", f"{rec['id']}: {old} → {to} ({reason})", node=rec["id"], pool=rec["pool"],
+                    from_state=old, to_state=to, reason=reason)
+
+    # ================================================================== policy
+    def _adopt(self, policy: Policy, text: str) -> None:
+        """Make ``policy`` current: create records for new nodes, drop removed ones."""
+        first = not self.nodes
+        wanted = {n.id: n for n in policy.nodes()}
+        for node_id in list(self.nodes):
+            if node_id not in wanted:
+                self.nodes.pop(node_id)
+                self.store.delete_node(node_id)
+                self._event("node_removed", f"{node_id}: removed from the policy", node=node_id)
+        now = time.time()
+        for pool in policy.pools:
+            for node in pool.nodes:
+                rec = self.nodes.get(node.id)
+                if rec is None:
+                    state, reason = (st.ACTIVE, "initial fleet") if first else (st.JOINING, "added to the policy")
+                    rec = {"id": node.id, "pool": pool.name, "url": node.url, "state": state, "since": now,
+                           "reason": reason, "base_weight": node.weight, "target_weight": None,
+                           "health": {"fails": 0, "passes": 0, "last_error": None, "last_check": None},
+                           "ramp": None, "drain": None, "warmup": None, "engine_start_time": None,
+                           "resume_state": None, "has_agent": False, "last_weight_change": None}
+                    self.nodes[node.id] = rec
+                    self._event("node_added", f"{node.id}: {reason}, state {state}", node=node.id, pool=pool.name)
+                rec["pool"], rec["url"] = pool.name, node.url
+                self._save(rec)
+        self.pools = {p.name: self.pools.get(p.name) or self.store.pools([p.name]).get(p.name)
+                      or {"degraded": False, "since": None, "above_since": None, "below_since": None,
+                          "last_weight_change": None}
+                      for p in policy.pools}
+        self.policy = policy
+        self._policy_text = text
+
+    def validate(self, text: str) -> Policy:
+        """Parse and check a policy text, including ``nginx -t`` of its render. Raises PolicyError
+        (field paths) or ApplyError (nginx refused the rendered config)."""
+        policy = parse_policy_text(text, "policy")
+        try:
+            self.nginx.test(self._render_files(policy, self.applied))
+        except (NginxError, ValueError) as exc:
+            raise ApplyError(str(exc)) from None
+        return policy
+
+    def _render_files(self, policy: Policy, runtime: Runtime | None) -> dict[str, str]:
+        from ..render import render
+
+        return render(policy, self.nginx.lua_dir, runtime)
+
+    def apply_policy(self, text: str, source: str) -> dict[str, Any]:
+        """Validate and apply a policy as one transaction.
+
+        Returns ``{"version": n, "result": "reloaded"|"unchanged"|..., "changed": bool}``.
+
+        Raises:
+            PolicyError: invalid (nothing changed; counted as ``invalid``).
+            ApplyError: nginx refused the rendered config or failed to reload (the running
+                config keeps serving; an event and ``kvgate_control_reloads_total{result="failed"}``).
+        """
+        with self.lock:
+            try:
+                policy = parse_policy_text(text, "policy")
+            except PolicyError:
+                self.metrics.policy_applies.labels("invalid").inc()
+                raise
+            # deep copies: _adopt and the weight updates change the records in place (url, base weight)
+            old = (self.policy, getattr(self, "_policy_text", None), copy.deepcopy(self.nodes),
+                   copy.deepcopy(self.pools))
+            self._adopt(policy, text)
+            for rec in self.nodes.values():
+                node = policy.node(rec["id"])
+                if rec["base_weight"] != node.weight:
+                    rec["base_weight"], rec["target_weight"] = node.weight, None
+            self._update_targets(time.time())
+            try:
+                result = self._apply_runtime(force=True)
+            except ApplyError as exc:
+                self.metrics.policy_applies.labels("failed").inc()
+                self._event("policy_rejected", f"policy from {source} not applied: {str(exc).splitlines()[0]}")
+                self.policy, self._policy_text, self.nodes, self.pools = old
+                for rec in self.nodes.values():
+                    self._save(rec)
+                for node_id in {n.id for n in policy.nodes()} - set(self.nodes):
+                    try:  # records _adopt created for the refused policy's new nodes
+                        self.store.delete_node(node_id)
+                    except StoreError as store_exc:
+                        log.warning("%s", store_exc)
+                raise
+            digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+            latest = self.store.latest_version()
+            changed = not latest or latest["yaml"] != text
+            if changed:
+                self.policy_version = self.store.add_version(text, digest, source, keep=policy.control.versions_kept)
+                self._event("policy_applied", f"policy version {self.policy_version['version']} applied "
+                            f"from {source} (nginx {result})", version=self.policy_version["version"])
+            else:
+                self.policy_version = latest
+            self.metrics.policy_applies.labels("applied").inc()
+            self._write_running_copy(text)
+            return {"version": self.policy_version["version"], "result": result, "changed": changed}
+
+    def rollback(self, version: int) -> dict[str, Any]:
+        """Apply a stored version again (as a new version). Raises NotFound, PolicyError, ApplyError."""
+        for v in self.store.versions():
+            if v["version"] == version:
+                return self.apply_policy(v["yaml"], f"rollback to version {version}")
+        raise NotFound(f"no stored policy version {version}")
+
+    def _write_running_copy(self, text: str) -> None:
+        """Keep ``run_dir/policy.yaml`` (what ``kvgate up``/``status`` read) in step with the API."""
+        if not self.run_dir or not (self.run_dir / "policy.yaml").exists():
+            return
+        tmp = self.run_dir / "policy.yaml.api"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, self.run_dir / "policy.yaml")
+
+    # ================================================================ runtime
+    def desired_runtime(self) -> Runtime:
+        """Weights (0 = down) and balancer switches for the current states."""
+        assert self.policy is not None
+        return runtime_for(self.policy, self.nodes, self.pools)
+
+    def _apply_runtime(self, force: bool = False) -> str:
+        """Render and apply the desired runtime if it differs from the applied one.
+
+        Raises ApplyError (after recording it) when nginx refuses or fails."""
+        assert self.policy is not None
+        runtime = self.desired_runtime()
+        key = (tuple(sorted(runtime.weights.items())), tuple(sorted(runtime.balancers.items())))
+        if not force and self.applied is not None and runtime == self.applied:
+            return "unchanged"
+        if not force and key == self._failed_runtime:
+            return "failed"
+        try:
+            result = self.nginx.apply(self.policy, runtime, start=not self.external_gateway)
+        except (NginxError, ValueError) as exc:
+            self._failed_runtime = key
+            self.metrics.reloads.labels("failed").inc()
+            self._event("reload_failed", f"gateway config not applied, the running one keeps serving: "
+                        f"{str(exc).splitlines()[0]}", error=str(exc)[:2000])
+            raise ApplyError(str(exc)) from None
+        self._failed_runtime = None
+        self.applied = runtime
+        self.metrics.reloads.labels(result).inc()
+        if result != "unchanged":
+            self._event("reload", f"gateway config {result}", result=result,
+                        weights=dict(runtime.weights), balancers=dict(runtime.balancers))
+        for node_id, w in runtime.weights.items():
+            self.metrics.weight.labels(node_id).set(w)
+        return result
+
+    def _try_apply(self) -> None:
+        try:
+            self._apply_runtime()
+        except ApplyError:
+            pass  # recorded; the running config keeps serving
+
+    # ================================================================ reports
+    def report(self, node_id: str, report: dict[str, Any]) -> dict[str, Any]:
+        """Store an agent report. Returns ``{"interval_s": ...}`` for the agent. Raises NotFound."""
+        with self.lock:
+            rec = self.nodes.get(node_id)
+            if rec is None:
+                raise NotFound(f"no node {node_id!r} in the policy")
+            now = time.time()
+            self.store.put_report(node_id, report, now)
+            self.metrics.reports.labels(node_id).inc()
+            if not rec.get("has_agent"):
+                rec["has_agent"] = True
+                self._save(rec)
+            return {"interval_s": self.policy.control.report_interval_s if self.policy else 2.0}
+
+    def _reports(self) -> dict[str, dict[str, Any]]:
+        try:
+            return self.store.reports(list(self.nodes))
+        except StoreError as exc:
+            log.warning("%s", exc)
+            return {}
+
+    def _fresh(self, entry: dict[str, Any] | None, now: float) -> dict[str, Any] | None:
+        """The report if it is younger than ``health.missing_reports`` intervals, else None."""
+        if not entry or not self.policy:
+            return None
+        limit = self.policy.health.missing_reports * self.policy.control.report_interval_s
+        return entry["report"] if now - entry["received_at"] <= limit else None
+
+    # ============================================================== gateway
+    def _scrape_gateway(self) -> None:
+        """Per-node in-flight, answers and 5xx, and failovers from the gateway's ``/metrics``."""
+        assert self.policy is not None
+        url = f"http://{_local(self.policy.gateway.listen)}/metrics"
+        snap: dict[str, Any] = {"ok": False, "inflight": {}, "requests": {}, "errors": {}, "failovers": {}}
+        try:
+            text = self._http.get(url, timeout=2).text
+            for fam in text_string_to_metric_families(text):
+                for s in fam.samples:
+                    lb = s.labels
+                    if s.name == "kvgate_upstream_inflight":
+                        snap["inflight"][lb.get("node", "")] = snap["inflight"].get(lb.get("node", ""), 0) + s.value
+                    elif s.name == "kvgate_requests_total":
+                        n = lb.get("node", "")
+                        snap["requests"][n] = snap["requests"].get(n, 0) + s.value
+                        if lb.get("status", "").startswith("5"):
+                            snap["errors"][n] = snap["errors"].get(n, 0) + s.value
+                    elif s.name == "kvgate_failovers_total":
+                        p = lb.get("pool", "")
+                        snap["failovers"][p] = snap["failovers"].get(p, 0) + s.value
+            snap["ok"] = True
+        except (requests.RequestException, ValueError) as exc:
+            snap["error"] = str(exc).splitlines()[0]
+        prev = self._gateway
+        if snap["ok"] and prev.get("ok"):
+            for pool, value in snap["failovers"].items():
+                delta = value - prev["failovers"].get(pool, 0)
+                if delta > 0:
+                    self._event("failover", f"pool {pool}: {int(delta)} request(s) failed over to another node",
+                                pool=pool, count=int(delta))
+        self._gateway = snap
+
+    # ================================================================== tick
+    def tick(self) -> None:
+        """One reconciler round (see the module docstring)."""
+        with self.lock:
+            if self.policy is None:
+                return
+            self.metrics.ticks.inc()
+            now = time.time()
+            self._scrape_gateway()
+            reports = self._reports()
+            if time.monotonic() >= self._probe_due:
+                self._probe_due = time.monotonic() + self.policy.health.probe_interval_s
+                self._health_round(reports, now)
+            self._ramp_round(reports, now)
+            self._drain_round(reports, now)
+            self._overload_round(reports, now)
+            self._update_targets(now)
+            self._try_apply()
+            for rec in self.nodes.values():
+                for s in st.STATES:
+                    self.metrics.state.labels(rec["id"], s).set(1 if rec["state"] == s else 0)
+                if rec["target_weight"]:
+                    self.metrics.target.labels(rec["id"]).set(rec["target_weight"])
+                entry = reports.get(rec["id"])
+                if entry:
+                    self.metrics.report_age.labels(rec["id"]).set(max(0.0, now - entry["received_at"]))
+
+    # ---------------------------------------------------------------- health
+    def _probe(self, url: str) -> str | None:
+        """None if ``GET url/health`` answers 200 within the probe timeout, else the reason."""
+        assert self.policy is not None
+        try:
+            resp = self._http.get(f"{url}/health", timeout=self.policy.health.probe_timeout_s)
+        except requests.RequestException as exc:
+            return f"health probe failed: {type(exc).__name__}"
+        return None if resp.status_code == 200 else f"health probe answered HTTP {resp.status_code}"
+
+    def _report_grace(self, now: float) -> bool:
+        """True while this process is too young to hold agents' missing reports against them:
+        they could not report while it was not running (a restart), and retry with backoff
+        (capped at ``max(interval, min(10 s, 5 × interval))``, see :mod:`kvgate.agent.agent`)."""
+        assert self.policy is not None
+        ri = self.policy.control.report_interval_s
+        window = self.policy.health.missing_reports * ri + max(ri, min(10.0, 5 * ri))
+        return now - self._started_at <= window
+
+    def _health_round(self, reports: dict[str, dict[str, Any]], now: float) -> None:
+        assert self.policy is not None
+        hc = self.policy.health
+        recs = list(self.nodes.values())
+        with ThreadPoolExecutor(max_workers=min(16, max(1, len(recs)))) as ex:
+            probes = dict(zip([r["id"] for r in recs], ex.map(lambda r: self._probe(r["url"]), recs)))
+        for rec in recs:
+            reasons = [probes[rec["id"]]] if probes[rec["id"]] else []
+            entry = reports.get(rec["id"])
+            if rec.get("has_agent"):
+                fresh = self._fresh(entry, now)
+                if fresh is None and not self._report_grace(now):
+                    age = now - entry["received_at"] if entry else None
+                    reasons.append("no agent report" + (f" for {age:.0f}s" if age is not None else ""))
+                elif not (fresh.get("engine") or {}).get("healthy", True):
+                    reasons.append("agent: engine " + str((fresh.get("engine") or {}).get("error") or "unhealthy"))
+            h = rec["health"]
+            h["last_check"] = now
+            if reasons:
+                h["fails"], h["passes"], h["last_error"] = h["fails"] + 1, 0, "; ".join(reasons)
+                self.metrics.health_checks.labels(rec["id"], "fail").inc()
+                # a joining node is not serving: it just waits for its first passing check
+                if rec["state"] in (st.WARMING, st.RAMPING, st.ACTIVE) and h["fails"] >= hc.eject_after:
+                    rec["resume_state"] = rec["state"]
+                    rec["engine_start_time_at_eject"] = rec.get("engine_start_time")
+                    self._transition(rec, st.EJECTED, f"{h['fails']} failed health checks: {h['last_error']}")
+            else:
+                h["fails"], h["passes"] = 0, h["passes"] + 1
+                self.metrics.health_checks.labels(rec["id"], "pass").inc()
+                start = ((self._fresh(entry, now) or {}).get("engine") or {}).get("start_time")
+                restarted = start is not None and rec.get("engine_start_time") not in (None, start)
+                if start is not None:
+                    rec["engine_start_time"] = start
+                if restarted and rec["state"] in (st.ACTIVE, st.RAMPING):
+                    self._event("engine_restarted", f"{rec['id']}: engine restarted; its prefix cache is empty",
+                                node=rec["id"], pool=rec["pool"])
+                if rec["state"] == st.JOINING:
+                    self._start_warming(rec, "passed its health check")
+                elif rec["state"] == st.EJECTED and h["passes"] >= hc.recover_after:
+                    self._recover(rec)
+            self._save(rec)
+
+    def _recover(self, rec: dict[str, Any]) -> None:
+        """An ejected node passed ``recover_after`` checks: back through warming if its engine
+        restarted (or we cannot tell), else straight back to where it was."""
+        before = rec.get("engine_start_time_at_eject")
+        now_start = rec.get("engine_start_time")
+        same_engine = before is not None and now_start == before
+        resume = rec.get("resume_state")
+        if same_engine and resume in (st.ACTIVE, st.RAMPING):
+            if resume == st.RAMPING and rec.get("ramp"):
+                rec["ramp"]["since"] = time.time()
+            self._transition(rec, resume, f"recovered after {rec['health']['passes']} passed checks; "
+                             "same engine process, cache kept")
+        else:
+            why = "engine restarted, cache is empty" if before is not None and now_start is not None else \
+                "cannot tell whether the engine kept its cache"
+            self._start_warming(rec, f"recovered after {rec['health']['passes']} passed checks ({why})")
+
+    # --------------------------------------------------------------- warm-up
+    def _start_warming(self, rec: dict[str, Any], reason: str) -> None:
+        self._transition(rec, st.WARMING, reason)
+        self._launch_warmup(rec, then_ramp=True)
+
+    def _launch_warmup(self, rec: dict[str, Any], then_ramp: bool) -> None:
+        node_id = rec["id"]
+        running = self._warmups.get(node_id)
+        if running and running.is_alive():
+            return
+        rec["warmup"] = {"status": "running", "started_at": time.time(), "result": None, "progress": [0, 0]}
+        self._save(rec)
+        self._event("warmup", f"{node_id}: warm-up started", node=node_id, pool=rec["pool"])
+        t = threading.Thread(target=self._warmup_thread, args=(node_id, then_ramp), name=f"warmup-{node_id}",
+                             daemon=True)
+        self._warmups[node_id] = t
+        t.start()
+
+    def _warmup_thread(self, node_id: str, then_ramp: bool) -> None:
+        with self.lock:
+            rec = self.nodes.get(node_id)
+            if rec is None or self.policy is None:
+                return
+            pool = next(p for p in self.policy.pools if p.name == rec["pool"])
+            url = rec["url"]
+
+        def progress(done: int, total: int) -> None:
+            rec["warmup"]["progress"] = [done, total]
+
+        try:
+            result = run_warmup(url, pool, self.store.r, progress=progress)
+        except Exception as exc:  # never leave a node stuck in warming
+            log.exception("warm-up of %s failed", node_id)
+            result = WarmupResult(errors=[str(exc)])
+        with self.lock:
+            rec = self.nodes.get(node_id)
+            if rec is None:
+                return
+            outcome = "ok" if result.failed == 0 else ("failed" if result.sent == 0 else "partial")
+            rec["warmup"] = {"status": outcome, "started_at": result.started_at, "result": result.as_dict(),
+                             "progress": [result.sent + result.failed, result.sent + result.failed]}
+            self.metrics.warmups.labels(node_id, outcome).inc()
+            if result.ttft_before_ms is not None:
+                self.metrics.warmup_ttft.labels(node_id, "before").set(result.ttft_before_ms / 1000)
+            if result.ttft_after_ms is not None:
+                self.metrics.warmup_ttft.labels(node_id, "after").set(result.ttft_after_ms / 1000)
+            ttft = (f"; TTFT {result.ttft_before_ms} ms cold → {result.ttft_after_ms} ms warm"
+                    if result.ttft_before_ms is not None and result.ttft_after_ms is not None else "")
+            self._event("warmup", f"{node_id}: warm-up {outcome}: {result.sent}/{result.prompts + 1 if result.prompts else 0} "
+                        f"request(s) sent ({result.from_policy} policy prompt(s), {result.from_hot_prefixes} hot "
+                        f"prefix(es)) in {result.duration_s:.1f}s{ttft}", node=node_id, pool=rec["pool"],
+                        **{k: v for k, v in result.as_dict().items() if k != "errors"}, errors=result.errors)
+            if then_ramp and rec["state"] == st.WARMING:
+                if outcome == "failed":
+                    # stays warming; the next passing health check after a failure retries
+                    rec["health"]["passes"] = 0
+                    self._save(rec)
+                    self._retry_warmup_later(node_id)
+                    return
+                rec["ramp"] = {"step": 0, "since": time.time(), "held": None,
+                               "baseline": self._node_counts(node_id)}
+                self._transition(rec, st.RAMPING, f"warm-up {outcome}; ramping at "
+                                 f"{self.policy.ramp.steps[0]:.0%} of its weight" if self.policy else "ramping")
+                self._try_apply()
+            else:
+                self._save(rec)
+
+    def _retry_warmup_later(self, node_id: str) -> None:
+        def retry() -> None:
+            if self._stop.wait(self.policy.health.probe_interval_s * 2 if self.policy else 4):
+                return
+            with self.lock:
+                rec = self.nodes.get(node_id)
+                if rec and rec["state"] == st.WARMING:
+                    self._launch_warmup(rec, then_ramp=True)
+
+        threading.Thread(target=retry, daemon=True).start()
+
+    # ------------------------------------------------------------------ ramp
+    def _node_counts(self, node_id: str) -> tuple[float, float]:
+        g = self._gateway
+        return (g["requests"].get(node_id, 0.0), g["errors"].get(node_id, 0.0))
+
+    def _ramp_round(self, reports: dict[str, dict[str, Any]], now: float) -> None:
+        assert self.policy is not None
+        rc = self.policy.ramp
+        for rec in self.nodes.values():
+            if rec["state"] != st.RAMPING:
+                continue
+            ramp = rec["ramp"]
+            if now - ramp["since"] < rc.step_interval_s:
+                continue
+            total, errors = self._node_counts(rec["id"])
+            b_total, b_errors = ramp.get("baseline") or (0.0, 0.0)
+            answered = total - b_total
+            error_rate = (errors - b_errors) / answered if answered > 0 else 0.0
+            waiting = ((self._fresh(reports.get(rec["id"]), now) or {}).get("engine") or {}).get("waiting") or 0
+            held = None
+            if error_rate > rc.max_error_rate:
+                held = f"error rate {error_rate:.1%} > {rc.max_error_rate:.1%}"
+            elif waiting > rc.max_queue:
+                held = f"{waiting:.0f} waiting > {rc.max_queue:.0f}"
+            if held:
+                if ramp.get("held") != held:
+                    ramp["held"] = held
+                    self._event("ramp_held", f"{rec['id']}: ramp held at {rc.steps[ramp['step']]:.0%}: {held}",
+                                node=rec["id"], pool=rec["pool"])
+                    self._save(rec)
+                continue
+            step = ramp["step"] + 1
+            if step >= len(rc.steps) - 1:
+                rec["ramp"] = None
+                self._transition(rec, st.ACTIVE, "ramp complete")
+            else:
+                rec["ramp"] = {"step": step, "since": now, "held": None, "baseline": self._node_counts(rec["id"])}
+                self._save(rec)
+                self._event("ramp", f"{rec['id']}: ramp step {step + 1}/{len(rc.steps)}: {rc.steps[step]:.0%} of its weight",
+                            node=rec["id"], pool=rec["pool"], step=step, fraction=rc.steps[step])
+
+    # ----------------------------------------------------------------- drain
+    def _engine_inflight(self, url: str) -> float | None:
+        """running + waiting from the engine's own ``/metrics`` (fresh), None if unreachable."""
+        from ..agent.collect import engine as scrape_engine
+
+        figures = scrape_engine(url, timeout=2.0)
+        if not figures.get("healthy") or figures.get("running") is None:
+            return None
+        return float(figures.get("running") or 0) + float(figures.get("waiting") or 0)
+
+    def inflight(self, node_id: str) -> dict[str, float | None]:
+        """``{"gateway": n, "engine": n|None}``: the gateway's per-node in-flight count and the
+        engine's running + waiting requests."""
+        rec = self.nodes[node_id]
+        return {"gateway": self._gateway["inflight"].get(node_id, 0.0) if self._gateway.get("ok") else None,
+                "engine": self._engine_inflight(rec["url"])}
+
+    def _drain_round(self, reports: dict[str, dict[str, Any]], now: float) -> None:
+        for rec in self.nodes.values():
+            if rec["state"] != st.DRAINING:
+                continue
+            d = rec["drain"]
+            counts = self.inflight(rec["id"])
+            d["inflight_gateway"], d["inflight_engine"] = counts["gateway"], counts["engine"]
+            g = counts["gateway"]
+            e = counts["engine"] or 0.0  # an engine that does not answer has nothing in flight
+            self.metrics.inflight.labels(rec["id"]).set(max(g or 0.0, e))
+            idle = g is not None and g <= 0 and e <= 0 and now - d["started"] >= 1.0
+            if idle:
+                d["zero_checks"] = d.get("zero_checks", 0) + 1
+            else:
+                d["zero_checks"] = 0
+            if d["zero_checks"] >= 2:
+                self._transition(rec, st.DRAINED, f"no request in flight after {now - d['started']:.1f}s")
+            elif now >= d["deadline"]:
+                d["timed_out"] = True
+                self._transition(rec, st.DRAINED, f"drain timeout after {now - d['started']:.0f}s with "
+                                 f"{g if g is not None else '?'} request(s) in flight at the gateway, {e:.0f} at the engine")
+            else:
+                self._save(rec)
+
+    # -------------------------------------------------------------- overload
+    def _overload_round(self, reports: dict[str, dict[str, Any]], now: float) -> None:
+        assert self.policy is not None
+        for pool in self.policy.pools:
+            oc = pool.overload
+            p = self.pools[pool.name]
+            waits = []
+            for node in pool.nodes:
+                rec = self.nodes[node.id]
+                fresh = self._fresh(reports.get(node.id), now)
+                if rec["state"] in st.SERVING and fresh and (fresh.get("engine") or {}).get("waiting") is not None:
+                    waits.append(float(fresh["engine"]["waiting"]))
+            mean = sum(waits) / len(waits) if waits else 0.0
+            p["mean_waiting"] = mean
+            changed = False
+            if not oc.enabled:
+                if p.get("degraded"):
+                    p.update(degraded=False, since=now)
+                    changed = True
+            elif not p.get("degraded"):
+                if mean > oc.high_queue:
+                    p["above_since"] = p.get("above_since") or now
+                    if now - p["above_since"] >= oc.for_s:
+                        p.update(degraded=True, since=now, below_since=None)
+                        changed = True
+                        self.metrics.degrade_switches.labels(pool.name, "least_conn").inc()
+                        self._event("degrade", f"pool {pool.name}: mean queue {mean:.1f} > {oc.high_queue:g} for "
+                                    f"{oc.for_s:g}s; switched to least_conn", pool=pool.name, to="least_conn",
+                                    mean_waiting=mean)
+                else:
+                    p["above_since"] = None
+            else:
+                if mean < oc.low_queue:
+                    p["below_since"] = p.get("below_since") or now
+                    if now - p["below_since"] >= oc.for_s:
+                        p.update(degraded=False, since=now, above_since=None)
+                        changed = True
+                        self.metrics.degrade_switches.labels(pool.name, pool.balancer).inc()
+                        self._event("degrade", f"pool {pool.name}: mean queue {mean:.1f} < {oc.low_queue:g} for "
+                                    f"{oc.for_s:g}s; back to {pool.balancer}", pool=pool.name, to=pool.balancer,
+                                    mean_waiting=mean)
+                else:
+                    p["below_since"] = None
+            self.metrics.degraded.labels(pool.name).set(1 if p.get("degraded") else 0)
+            if changed:
+                try:
+                    self.store.put_pool(pool.name, p)
+                except StoreError as exc:
+                    log.warning("%s", exc)
+
+    # --------------------------------------------------------------- weights
+    def _update_targets(self, now: float) -> None:
+        """Recompute every node's target weight (damped, except the first one after its base
+        weight was set or changed)."""
+        assert self.policy is not None
+        cfg = self.policy.weights
+        reports = self._reports()
+        damper = Damper(cfg)
+        for pool in self.policy.pools:
+            fresh = {n.id: self._fresh(reports.get(n.id), now) for n in pool.nodes}
+            caps = capacities(fresh) if cfg.dynamic else {n.id: 1.0 for n in pool.nodes}
+            p = self.pools[pool.name]
+            changed = []
+            for node in pool.nodes:
+                rec = self.nodes[node.id]
+                base = rec["base_weight"]
+                if not cfg.dynamic:
+                    computed = base * WEIGHT_SCALE
+                else:
+                    computed = computed_weight(base, caps[node.id], load_factor(fresh[node.id], cfg))
+                rec["computed_weight"] = computed
+                current = rec["target_weight"]
+                if current is None:
+                    rec["target_weight"] = computed
+                elif current != computed and damper.accept(current, computed, now, p.get("last_weight_change")):
+                    changed.append((rec, current, computed))
+            for rec, current, computed in changed:
+                rec["target_weight"] = computed
+                rec["last_weight_change"] = now
+                self._save(rec)
+                self._event("weight", f"{rec['id']}: target weight {current} → {computed} (capacity × load)",
+                            node=rec["id"], pool=pool.name, old=current, new=computed)
+            if changed:
+                p["last_weight_change"] = now
+
+    # =============================================================== actions
+    def _rec(self, node_id: str) -> dict[str, Any]:
+        rec = self.nodes.get(node_id)
+        if rec is None:
+            raise NotFound(f"no node {node_id!r} in the policy")
+        return rec
+
+    def drain(self, node_id: str, reason: str = "operator") -> dict[str, Any]:
+        """Stop new keys reaching the node (nginx ``down``: only its keys move to their next
+        nodes on the ring) and wait for its in-flight requests in the background.
+
+        The gateway config is applied before this returns. Raises NotFound,
+        InvalidTransition, ApplyError (the node is left as it was)."""
+        with self.lock:
+            rec = self._rec(node_id)
+            assert self.policy is not None
+            if rec["state"] == st.DRAINING:
+                return self.node_view(node_id)
+            previous = dict(rec)
+            self._transition(rec, st.DRAINING, f"drain requested by {reason}", action="drain")
+            now = time.time()
+            rec["drain"] = {"started": now, "deadline": now + self.policy.drain.timeout_s, "zero_checks": 0,
+                            "inflight_gateway": None, "inflight_engine": None, "timed_out": False}
+            rec["ramp"] = None
+            self._save(rec)
+            try:
+                self._apply_runtime()
+            except ApplyError:
+                self.nodes[node_id] = previous
+                self._save(previous)
+                raise
+            return self.node_view(node_id)
+
+    def undrain(self, node_id: str, reason: str = "operator") -> dict[str, Any]:
+        """Bring a draining or drained node back: warming, then ramping. Raises NotFound, InvalidTransition."""
+        with self.lock:
+            rec = self._rec(node_id)
+            st.check(node_id, rec["state"], st.WARMING, action="undrain")
+            rec["drain"] = None
+            self._start_warming(rec, f"undrain requested by {reason}")
+            return self.node_view(node_id)
+
+    def warm(self, node_id: str) -> dict[str, Any]:
+        """Run the warm-up on the node now, without changing its state (e.g. a drained node before
+        undrain). Raises NotFound; InvalidTransition-like 409 when a warm-up already runs."""
+        with self.lock:
+            rec = self._rec(node_id)
+            running = self._warmups.get(node_id)
+            if running and running.is_alive():
+                raise st.InvalidTransition(node_id, rec["state"], st.WARMING, action="warm (a warm-up is running)")
+            self._launch_warmup(rec, then_ramp=rec["state"] == st.WARMING)
+            return self.node_view(node_id)
+
+    # ================================================================= views
+    def node_view(self, node_id: str, reports: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """One node as the API shows it: the record, its weight in force and its last report."""
+        rec = self._rec(node_id)
+        reports = reports if reports is not None else self._reports()
+        entry = reports.get(node_id)
+        now = time.time()
+        weight = self.applied.weights.get(node_id) if self.applied else None
+        return {
+            **{k: v for k, v in rec.items() if k not in ("engine_start_time_at_eject",)},
+            "weight": weight,
+            "serving": rec["state"] in st.SERVING,
+            "report": entry["report"] if entry else None,
+            "report_age_s": round(now - entry["received_at"], 3) if entry else None,
+            "inflight_gateway": self._gateway["inflight"].get(node_id, 0.0) if self._gateway.get("ok") else None,
+        }
+
+    def nodes_view(self) -> list[dict[str, Any]]:
+        with self.lock:
+            assert self.policy is not None
+            reports = self._reports()
+            return [self.node_view(n.id, reports) for n in self.policy.nodes()]
+
+    def pools_view(self) -> list[dict[str, Any]]:
+        with self.lock:
+            assert self.policy is not None
+            out = []
+            for pool in self.policy.pools:
+                p = self.pools[pool.name]
+                out.append({"name": pool.name, "models": pool.models, "balancer": pool.balancer,
+                            "balancer_in_force": "least_conn" if p.get("degraded") else pool.balancer,
+                            "degraded": bool(p.get("degraded")), "degraded_since": p.get("since") if p.get("degraded") else None,
+                            "mean_waiting": p.get("mean_waiting"),
+                            "nodes": [n.id for n in pool.nodes],
+                            "failovers": self._gateway["failovers"].get(pool.name)})
+            return out

@@ -1,0 +1,154 @@
+"""The control plane's state in Redis, so a restart (or a second instance reading it) loses nothing.
+
+Keys (all under ``kvgate:control:``; values are JSON):
+
+``node:<id>``        the node's record (state, since, reason, weights, health, warm-up, drain)
+``report:<id>``      the agent's last report plus ``received_at`` (unix s)
+``pool:<name>``      pool runtime (overload degrade in force, since when)
+``events``           a Redis stream of events, capped at ``control.events_kept``
+``versions``         a list of applied policy versions, newest last, capped at ``control.versions_kept``
+``version_seq``      the last version number handed out
+
+Every method raises :class:`StoreError` (with the Redis error) when Redis cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+PREFIX = "kvgate:control:"
+
+
+class StoreError(RuntimeError):
+    """Redis is unreachable or answered an error; the message says what was attempted."""
+
+
+class Store:
+    """Redis-backed state of one control plane.
+
+    Args:
+        url: ``redis://HOST:PORT/DB``.
+        timeout_s: socket timeout of every call.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 2.0):
+        self.url = url
+        self.r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                      decode_responses=True, health_check_interval=30)
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except redis.RedisError as exc:
+            raise StoreError(f"redis {self.url}: {what}: {exc}") from None
+
+    def ping(self) -> bool:
+        try:
+            return bool(self.r.ping())
+        except redis.RedisError:
+            return False
+
+    # ------------------------------------------------------------- nodes
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        """Every stored node record by id."""
+        keys = self._call("list nodes", lambda: list(self.r.scan_iter(PREFIX + "node:*", count=500)))
+        if not keys:
+            return {}
+        values = self._call("read nodes", self.r.mget, keys)
+        out = {}
+        for k, v in zip(keys, values):
+            if v:
+                out[k.removeprefix(PREFIX + "node:")] = json.loads(v)
+        return out
+
+    def put_node(self, record: dict[str, Any]) -> None:
+        self._call("write node", self.r.set, PREFIX + f"node:{record['id']}", json.dumps(record, sort_keys=True))
+
+    def delete_node(self, node_id: str) -> None:
+        self._call("delete node", self.r.delete, PREFIX + f"node:{node_id}", PREFIX + f"report:{node_id}")
+
+    # ----------------------------------------------------------- reports
+    def put_report(self, node_id: str, report: dict[str, Any], received_at: float) -> None:
+        body = json.dumps({"received_at": received_at, "report": report})
+        self._call("write report", self.r.set, PREFIX + f"report:{node_id}", body, ex=24 * 3600)
+
+    def reports(self, node_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """``{id: {"received_at": s, "report": {...}}}`` for the nodes that have one."""
+        if not node_ids:
+            return {}
+        values = self._call("read reports", self.r.mget, [PREFIX + f"report:{n}" for n in node_ids])
+        return {n: json.loads(v) for n, v in zip(node_ids, values) if v}
+
+    # ------------------------------------------------------------- pools
+    def pools(self, names: list[str]) -> dict[str, dict[str, Any]]:
+        if not names:
+            return {}
+        values = self._call("read pools", self.r.mget, [PREFIX + f"pool:{n}" for n in names])
+        return {n: json.loads(v) for n, v in zip(names, values) if v}
+
+    def put_pool(self, name: str, record: dict[str, Any]) -> None:
+        self._call("write pool", self.r.set, PREFIX + f"pool:{name}", json.dumps(record, sort_keys=True))
+
+    # ------------------------------------------------------------ events
+    def add_event(self, kind: str, message: str, node: str | None = None, pool: str | None = None,
+                  keep: int = 10000, **data: Any) -> dict[str, Any]:
+        """Append an event; returns it (with its stream ``id``). Never raises: an event that cannot
+        be stored is returned with ``id: null`` (the caller's action must not fail for it)."""
+        event = {"ts": time.time(), "kind": kind, "message": message, "node": node, "pool": pool, "data": data}
+        try:
+            event_id = self.r.xadd(PREFIX + "events", {"json": json.dumps(event)}, maxlen=keep, approximate=True)
+        except redis.RedisError:
+            event_id = None
+        return {"id": event_id, **event}
+
+    def events(self, limit: int = 100, node: str | None = None, kind: str | None = None,
+               before: str | None = None) -> list[dict[str, Any]]:
+        """Newest first; filtered by node and/or kind prefix (``reload`` matches ``reload``,
+        ``reload_failed``); ``before`` is an event id to page from."""
+        out: list[dict[str, Any]] = []
+        end = f"({before}" if before else "+"
+        while len(out) < limit:
+            batch = self._call("read events", self.r.xrevrange, PREFIX + "events", max=end, min="-", count=500)
+            if not batch:
+                break
+            for event_id, fields in batch:
+                ev = {"id": event_id, **json.loads(fields["json"])}
+                if node and ev.get("node") != node:
+                    continue
+                if kind and not str(ev.get("kind", "")).startswith(kind):
+                    continue
+                out.append(ev)
+                if len(out) >= limit:
+                    break
+            end = f"({batch[-1][0]}"
+        return out
+
+    # -------------------------------------------------------------- misc
+    def get(self, name: str) -> str | None:
+        return self._call(f"read {name}", self.r.get, PREFIX + name)
+
+    def set(self, name: str, value: str) -> None:
+        self._call(f"write {name}", self.r.set, PREFIX + name, value)
+
+    # ----------------------------------------------------------- versions
+    def add_version(self, yaml_text: str, digest: str, source: str, keep: int = 100) -> dict[str, Any]:
+        seq = int(self._call("number version", self.r.incr, PREFIX + "version_seq"))
+        version = {"version": seq, "yaml": yaml_text, "digest": digest, "source": source, "applied_at": time.time()}
+        pipe = self.r.pipeline()
+        pipe.rpush(PREFIX + "versions", json.dumps(version))
+        pipe.ltrim(PREFIX + "versions", -keep, -1)
+        self._call("write version", pipe.execute)
+        return version
+
+    def versions(self) -> list[dict[str, Any]]:
+        """Applied versions, newest first."""
+        values = self._call("read versions", self.r.lrange, PREFIX + "versions", 0, -1)
+        return [json.loads(v) for v in reversed(values)]
+
+    def latest_version(self) -> dict[str, Any] | None:
+        value = self._call("read version", self.r.lindex, PREFIX + "versions", -1)
+        return json.loads(value) if value else None

@@ -1,0 +1,243 @@
+-- The request log in Redis, read by the control plane (warm-up, admin page).
+--
+-- The request path never talks to Redis for it: the log phase appends an entry to a
+-- per-worker Lua table, and a ngx.timer.every(INTERVAL_S) started in init_worker sends
+-- the buffer in ONE pipeline per flush:
+--   XADD kvgate:log MAXLEN ~ 100000 * ts .. pool .. node .. status .. cache .. kind .. fp .. key .. ms
+--   ZINCRBY kvgate:hot:<pool>:<minute> <n> <fp>     (per fingerprint; minute = floor(ts / 60))
+--   EXPIRE  kvgate:hot:<pool>:<minute> <hot_window_s + 120>
+--   SET     kvgate:prefix:<pool>:<fp> <json> EX <ttl_s> NX   (opt-in capture, see capture.lua)
+-- Redis down (the breaker in kvgate.redis is open, or the pipeline fails): the batch
+-- is dropped and counted; the buffer is capped at MAX_BUFFER entries (more are dropped
+-- and counted). A worker that is exiting (reload, stop) can no longer start timers: its
+-- buffer and the entries of the streams it is still finishing go to a list in the
+-- shared dict kvgate_reqlog, which the live workers' flushes drain.
+local cjson = require "cjson.safe"
+local config = require "kvgate.config"
+local kredis = require "kvgate.redis"
+local metrics = require "kvgate.metrics"
+
+local ngx = ngx
+local type = type
+local format = string.format
+local floor = math.floor
+local tostring = tostring
+local pcall = pcall
+local ipairs = ipairs
+local tonumber = tonumber
+
+local _M = {}
+
+_M.INTERVAL_S = 0.5
+_M.MAX_BUFFER = 10000
+_M.STREAM = "kvgate:log"
+_M.MAXLEN = "100000"
+_M.HOT_SLACK_S = 120
+_M.DEFAULT_HOT_WINDOW_S = 3600
+
+local DICT = "kvgate_reqlog"
+local SPILL = "spill"
+local WARN_INTERVAL_S = 10
+
+local buf, n = {}, 0
+local flushing = false
+
+--- hot_key(pool, ts) -> "kvgate:hot:<pool>:<minute>"
+function _M.hot_key(pool, ts)
+    return "kvgate:hot:" .. pool .. ":" .. format("%d", floor(ts / 60))
+end
+
+--- prefix_key(pool, fp) -> "kvgate:prefix:<pool>:<fp>"
+function _M.prefix_key(pool, fp)
+    return "kvgate:prefix:" .. pool .. ":" .. fp
+end
+
+--- commands(batch, count, cfg) -> cmds, xadd_positions, set_positions  (PURE)
+-- batch[1..count]: entries {ts, pool, node, status, cache, kind, fp, key, ms, cap?, cap_ttl?}
+-- cfg: the data config (per pool hot_window_s); the hot-set counts of a batch are summed
+-- per (pool, minute, fp), and each hot key gets one EXPIRE per batch.
+function _M.commands(batch, count, cfg)
+    local cmds, xadds, sets = {}, {}, {}
+    local hot, hot_order = {}, {}
+    for i = 1, count do
+        local e = batch[i]
+        local fp = e.fp or ""
+        cmds[#cmds + 1] = { "xadd", _M.STREAM, "MAXLEN", "~", _M.MAXLEN, "*",
+            "ts", format("%.3f", e.ts), "pool", e.pool, "node", e.node or "", "status", tostring(e.status),
+            "cache", e.cache or "", "kind", e.kind or "", "fp", fp, "key", e.key or "",
+            "ms", tostring(e.ms) }
+        xadds[#xadds + 1] = #cmds
+        if fp ~= "" then
+            local hk = _M.hot_key(e.pool, e.ts)
+            local h = hot[hk]
+            if not h then
+                h = { pool = e.pool, counts = {}, order = {} }
+                hot[hk] = h
+                hot_order[#hot_order + 1] = hk
+            end
+            local c = h.counts[fp]
+            if not c then
+                h.order[#h.order + 1] = fp
+                c = 0
+            end
+            h.counts[fp] = c + 1
+            if e.cap then
+                cmds[#cmds + 1] = { "set", _M.prefix_key(e.pool, fp), e.cap, "EX", tostring(e.cap_ttl), "NX" }
+                sets[#sets + 1] = #cmds
+            end
+        end
+    end
+    local pools = cfg and cfg.pools or {}
+    for _, hk in ipairs(hot_order) do
+        local h = hot[hk]
+        for _, fp in ipairs(h.order) do
+            cmds[#cmds + 1] = { "zincrby", hk, tostring(h.counts[fp]), fp }
+        end
+        local pool = pools[h.pool]
+        local window = type(pool) == "table" and tonumber(pool.hot_window_s) or _M.DEFAULT_HOT_WINDOW_S
+        cmds[#cmds + 1] = { "expire", hk, tostring(floor(window) + _M.HOT_SLACK_S) }
+    end
+    return cmds, xadds, sets
+end
+
+local function dropped(reason, k)
+    metrics.incr("kvgate_request_log_dropped_total", { reason = reason }, k or 1)
+end
+
+local function warn(what, err)
+    local state = ngx.shared.kvgate_state
+    if state and state:add("warned:reqlog:" .. what, true, WARN_INTERVAL_S) then
+        ngx.log(ngx.WARN, "kvgate request log ", what, " (entries dropped; next warning in ",
+            WARN_INTERVAL_S, "s): ", err)
+    end
+end
+
+local function spill(e)
+    local d = ngx.shared[DICT]
+    if not d then
+        dropped("spill-full")
+        return
+    end
+    local len = d:llen(SPILL)
+    if type(len) == "number" and len >= _M.MAX_BUFFER then
+        dropped("spill-full")
+        return
+    end
+    local v = cjson.encode(e)
+    local ok, err = v and d:lpush(SPILL, v)
+    if not ok then
+        dropped("spill-full")
+        warn("spill", err or "encode failed")
+    end
+end
+
+--- record(e): log phase; never blocks, never talks to Redis
+function _M.record(e)
+    if ngx.worker.exiting() then
+        -- no timer of this worker runs any more: the live workers flush it
+        return spill(e)
+    end
+    if n >= _M.MAX_BUFFER then
+        return dropped("buffer-full")
+    end
+    n = n + 1
+    buf[n] = e
+end
+
+local function send(batch, count)
+    local cfg = config.get()
+    if kredis.down() then
+        return dropped("redis-down", count)
+    end
+    local cmds, xadds, sets = _M.commands(batch, count, cfg)
+    local ok, replies, err = pcall(kredis.pipeline, cfg.redis, cmds)
+    if not ok then
+        replies, err = nil, replies
+    end
+    if not replies then
+        kredis.trip()
+        warn("flush failed", err)
+        return dropped("redis-error", count)
+    end
+    local written, captured = 0, 0
+    for i = 1, #xadds do
+        local r = replies[xadds[i]]
+        if r ~= nil and not (type(r) == "table" and r[1] == false) then
+            written = written + 1
+        end
+    end
+    for i = 1, #sets do
+        local r = replies[sets[i]]
+        if r ~= nil and not (type(r) == "table" and r[1] == false) then
+            captured = captured + 1
+        end
+    end
+    if written > 0 then
+        metrics.incr("kvgate_request_log_written_total", {}, written)
+    end
+    if captured > 0 then
+        metrics.incr("kvgate_prefix_captures_total", {}, captured)
+    end
+    if written < count then
+        dropped("redis-error", count - written)
+        warn("write failed", "an XADD was refused")
+    end
+end
+
+--- flush(premature): the timer; one pipeline for this worker's buffer plus what exiting
+-- workers left in the shared list
+function _M.flush(premature)
+    if premature then
+        -- this worker is exiting (reload/stop): hand the buffer to the live workers
+        local batch, count = buf, n
+        buf, n = {}, 0
+        for i = 1, count do
+            spill(batch[i])
+        end
+        return
+    end
+    if flushing then
+        return
+    end
+    local batch, count = buf, n
+    buf, n = {}, 0
+    local d = ngx.shared[DICT]
+    if d then
+        while count < _M.MAX_BUFFER do
+            local v = d:rpop(SPILL)
+            if not v then
+                break
+            end
+            local e = cjson.decode(v)
+            if type(e) == "table" then
+                count = count + 1
+                batch[count] = e
+            end
+        end
+    end
+    if count == 0 then
+        return
+    end
+    flushing = true
+    local ok, err = pcall(send, batch, count)
+    flushing = false
+    if not ok then
+        dropped("redis-error", count)
+        warn("flush failed", err)
+    end
+end
+
+--- start(): init_worker; one flush timer per worker
+function _M.start()
+    local ok, err = ngx.timer.every(_M.INTERVAL_S, _M.flush)
+    if not ok then
+        ngx.log(ngx.ERR, "kvgate request log: cannot start the flush timer: ", err)
+    end
+end
+
+--- pending() -> entries buffered in this worker (tests, debugging)
+function _M.pending()
+    return n
+end
+
+return _M
