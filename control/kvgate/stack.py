@@ -57,6 +57,20 @@ def _port_open(host: str, port: int, timeout: float = 0.3) -> bool:
         return False
 
 
+def _gone(proc: psutil.Process, timeout: float) -> bool:
+    """Wait until ``proc`` exited: gone, or a zombie its parent (init, for our daemons) has not
+    reaped yet — it holds no port and no file any more."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 @dataclass
 class Component:
     """One line of ``kvgate status``."""
@@ -499,11 +513,9 @@ class Stack:
         try:
             proc = psutil.Process(pid)
             proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except psutil.TimeoutExpired:
+            if not _gone(proc, timeout):
                 proc.kill()
-                proc.wait(5)
+                _gone(proc, 5)
         except psutil.NoSuchProcess:
             pass
         except psutil.Error as exc:
@@ -516,7 +528,7 @@ class Stack:
         directory (whatever is running). The control plane goes first, so it does not eject
         nodes whose engines are being stopped."""
         if self.pids.is_dir():
-            for f in sorted(self.pids.glob("agent-*.pid")) + [self._pid_file("control")]:
+            for f in [self._pid_file("control")] + sorted(self.pids.glob("agent-*.pid")):
                 if f.exists() and self._stop_pid(f.stem):
                     echo(f"{f.stem:<9} stopped")
         if self.nginx.pid():

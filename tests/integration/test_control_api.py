@@ -22,6 +22,9 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from ctlfixtures import MODEL, Fleet, control_fleet_module  # noqa: F401  (fixture)
+from kvgate.control.plane import ControlPlane
+from kvgate.control.store import Store
+from kvgate.nginxctl import Nginx
 
 pytestmark = pytest.mark.integration
 
@@ -44,6 +47,11 @@ def wait_until(pred: Callable[[], Any], what: str, timeout: float = 60.0) -> Any
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def eid(event_id: str) -> tuple[int, ...]:
+    """A Redis stream id (``ms-seq``) as a comparable tuple."""
+    return tuple(int(x) for x in event_id.split("-"))
 
 
 def conf_file(f: Fleet) -> Path:
@@ -279,7 +287,7 @@ def test_policy_nginx_rejects_is_500_and_keeps_everything(cf: Fleet) -> None:
     after = metrics(cf)
     assert after['kvgate_control_reloads_total{result="failed"}'] == failed_reloads + 1
     assert after['kvgate_control_policy_applies_total{result="failed"}'] == failed_applies + 1
-    new_events = [e for e in cf.events() if e["id"] > newest]
+    new_events = [e for e in cf.events() if eid(e["id"]) > eid(newest)]
     kinds = {e["kind"] for e in new_events}
     assert {"reload_failed", "policy_rejected"} <= kinds, new_events
     assert not any(e["kind"] == "policy_applied" for e in new_events)
@@ -366,7 +374,7 @@ def test_events_filters_and_paging(cf: Fleet) -> None:
     page2 = cf.events(limit=3, before=page1[-1]["id"])
     assert len(page1) == len(page2) == 3
     ids = [e["id"] for e in page1 + page2]
-    assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))), reverse=True)
+    assert ids == sorted(ids, key=eid, reverse=True)
     assert len(set(ids)) == 6
     assert_error(cf.api("GET", "/api/v1/events", params={"limit": "many"}), 400, "invalid_request_error",
                  "bad_request")
@@ -391,7 +399,8 @@ def test_metrics_parse_and_match_the_nodes(cf: Fleet) -> None:
     m = metrics(cf)
     states = cf.states()
     for node, state in states.items():
-        on = [k for k, v in m.items() if k.startswith("kvgate_control_node_state{") and f'node="{node}"' in k and v == 1]
+        on = [k for k, v in m.items()
+              if k.startswith("kvgate_control_node_state{") and f'node="{node}"' in k and v == 1]
         assert on == [f'kvgate_control_node_state{{node="{node}",state="{state}"}}'], on
         assert m[f'kvgate_control_reports_total{{node="{node}"}}'] > 0
         assert m[f'kvgate_control_health_checks_total{{node="{node}",result="pass"}}'] > 0
@@ -403,6 +412,34 @@ def test_metrics_parse_and_match_the_nodes(cf: Fleet) -> None:
 
 
 # ------------------------------------------------------------------ restart
+def test_stale_reports_at_start_eject_only_after_agents_could_report(cf: Fleet) -> None:
+    """A starting plane finds its predecessor's last reports in Redis, all old: agents could
+    not report while no plane ran. It must give them time to report (the missing-report
+    window plus the agents' retry backoff) before it counts them missing, and then it must.
+
+    A second, in-process plane on its own Redis database, next to the fleet's; it probes the
+    fleet's engines and writes (never runs) its own nginx config."""
+    store = Store(f"redis://127.0.0.1:{cf.redis_port}/7")
+    store.r.flushdb()
+    plane = ControlPlane(store, Nginx(cf.tmp / "second-plane-nginx"), external_gateway=True)
+    report = {"engine": {"healthy": True, "waiting": 0, "running": 0, "kv_cache_usage": 0.0}}
+    try:
+        plane.start(cf.render(), "test")
+        started = time.time()
+        for node_id in ("n1", "n2", "n3"):
+            plane.report(node_id, report)  # the nodes have agents...
+            store.put_report(node_id, report, received_at=started - 100)  # ...whose last report is old
+        ejected = wait_until(lambda: [e for e in store.events(kind="state") if e["data"]["to_state"] == "ejected"],
+                             "the missing reports to eject the nodes")
+        # policy: 4 missing reports × 0.5 s + the agents' longest retry wait (5 × 0.5 s)
+        assert min(e["ts"] for e in ejected) - started >= 4.5, [e["message"] for e in ejected]
+        messages = [e["message"] for e in ejected]
+        assert all(re.search(r"no agent report for 1\d\ds", m) for m in messages), messages
+    finally:
+        plane.stop()
+        store.r.flushdb()
+
+
 def test_restart_keeps_node_states_versions_and_events(cf: Fleet) -> None:
     ensure_drained(cf, "n3")
     vs_before = versions(cf)
@@ -412,28 +449,43 @@ def test_restart_keeps_node_states_versions_and_events(cf: Fleet) -> None:
     pid = int(pid_file.read_text())
     proc = psutil.Process(pid)
     os.kill(pid, signal.SIGTERM)
-    proc.wait(30)  # it exits on SIGTERM (psutil.TimeoutExpired otherwise)
+    proc.wait(30)  # it exits on SIGTERM, even with the test's keep-alive connection open
     with pytest.raises(requests.ConnectionError):
         requests.get(cf.control + "/healthz", timeout=5)
 
     up = cf.kvgate("up", str(cf.policy_path))
     assert up.returncode == 0, up.stdout + up.stderr
     assert re.search(r"^control\s+started", up.stdout, re.M), up.stdout
+    restarted_at = time.time()
     assert int(pid_file.read_text()) != pid
     token = (cf.run_dir / "admin.token").read_text().strip()
     assert token == cf.token  # same run dir, same token
 
     states = cf.states()
     assert states["n3"] == "drained", states
-    assert states["n1"] == "active" and states["n2"] == "active", states
     assert re.fullmatch(r"server 127\.0\.0\.1:\d+ down;\s+# n3.*", server_line(cf, "n3"))
     vs_after = versions(cf)
     assert vs_after[len(vs_after) - len(vs_before):] == vs_before  # nothing lost (a new one may be on top)
     after_ids = {e["id"] for e in cf.events()}
     assert set(events_before) <= after_ids
     now = cf.api("GET", "/api/v1/policy").json()
-    assert now["yaml"] == cf.policy_path.read_text()
-    assert now["version"] >= policy_before["version"]
+    assert now["yaml"] == policy_before["yaml"] and now["version"] == policy_before["version"]
+
+    # The agents could not report while the plane was down: that must not eject their nodes.
+    # Wait until every agent reported to the new process and a health round judged it since.
+    def reported_and_checked() -> bool:
+        nodes = cf.api("GET", "/api/v1/nodes").json()["nodes"]
+        newest = max((n.get("report") or {}).get("ts", 0) for n in nodes)
+        return all((n.get("report") or {}).get("ts", 0) > restarted_at for n in nodes) and \
+            all((n["health"]["last_check"] or 0) > newest for n in nodes)
+
+    wait_until(reported_and_checked, "reports from every agent to the restarted control plane")
+    ejected = [e["message"] for e in cf.events(kind="state") if eid(e["id"]) > eid(events_before[0])
+               and e["data"]["to_state"] == "ejected"]
+    assert ejected == [], ejected
+    states = cf.states()
+    assert states == {"n1": "active", "n2": "active", "n3": "drained"}, states
+
     # the restarted plane keeps working: n3 comes back through the normal path
     r = cf.api("POST", "/api/v1/nodes/n3/undrain")
     assert r.status_code == 202, r.text

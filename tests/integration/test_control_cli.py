@@ -36,6 +36,11 @@ def versions(f: Fleet) -> list[dict[str, Any]]:
     return r.json()["versions"]
 
 
+def eid(event_id: str) -> tuple[int, ...]:
+    """A Redis stream id (``ms-seq``) as a comparable tuple."""
+    return tuple(int(x) for x in event_id.split("-"))
+
+
 def server_line(f: Fleet, node_id: str) -> str:
     conf = (f.run_dir / "nginx" / "conf" / "nginx.conf").read_text()
     addr = f"127.0.0.1:{f.node_ports[node_id]}"
@@ -89,7 +94,7 @@ def test_drain_wait_then_undrain_goes_through_warming_and_ramping(cf: Fleet) -> 
     cf.wait_state("n2", "active", timeout=90)
     assert " weight=100 " in server_line(cf, "n2")
 
-    new = [e for e in reversed(cf.events(node="n2")) if e["id"] > newest]  # oldest first
+    new = [e for e in reversed(cf.events(node="n2")) if eid(e["id"]) > eid(newest)]  # oldest first
     moves = [e["data"]["to_state"] for e in new if e["kind"] == "state"]
     assert moves == ["draining", "drained", "warming", "ramping", "active"], [e["message"] for e in new]
     warmups = [e["message"] for e in new if e["kind"] == "warmup"]
@@ -99,7 +104,8 @@ def test_drain_wait_then_undrain_goes_through_warming_and_ramping(cf: Fleet) -> 
 
     res = cf.kvgate("events", "--node", "n2", "-n", "10")
     assert res.returncode == 0, res.stderr
-    assert re.search(r"^\d\d:\d\d:\d\d  state\s+n2: ramping → active \(ramp complete\)$", res.stdout, re.M), res.stdout
+    assert re.search(r"^\d\d:\d\d:\d\d  state\s+n2: ramping → active \(ramp complete\)$",
+                     res.stdout, re.M), res.stdout
 
 
 def test_warm_prints_the_result(cf: Fleet) -> None:

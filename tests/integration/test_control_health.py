@@ -224,3 +224,30 @@ def test_overload_degrades_to_least_conn_and_back_and_weights_follow_load(contro
     while any(n["target_weight"] != 100 for n in fleet.api("GET", "/api/v1/nodes").json()["nodes"]):
         assert time.monotonic() < deadline, fleet.api("GET", "/api/v1/nodes").json()
         time.sleep(0.2)
+
+
+def test_ramp_holds_while_the_node_queues_and_then_completes(control_fleet):
+    fleet = control_fleet(n=2, sim="time_scale: 1.0, max_num_seqs: 1, decode_s_per_token: 0.02",
+                          extra="weights: {dynamic: false}\n" + "ramp: {steps: [0.25, 0.5, 1.0], step_interval_s: 1.0, max_queue: 2}")
+    fleet.wait_reports()
+    assert fleet.kvgate("drain", "n2", "--wait").returncode == 0
+    # a queue on n2's engine (straight to it: 16 requests of 0.8 s, one at a time)
+    flood = [threading.Thread(target=requests.post, args=(fleet.node_url("n2") + "/v1/completions",),
+                              kwargs={"json": {"model": MODEL, "prompt": "q", "max_tokens": 40}, "timeout": 60})
+             for _ in range(16)]
+    for t in flood:
+        t.start()
+    time.sleep(1.2)  # the agent reports the queue (every 0.5 s)
+    assert fleet.kvgate("undrain", "n2").returncode == 0
+    held = None
+    deadline = time.monotonic() + 20
+    while held is None:
+        assert time.monotonic() < deadline, (fleet.node("n2")["state"], fleet.node("n2")["reason"],
+                                             [e["message"] for e in fleet.events(node="n2")][:8])
+        held = next(iter(fleet.events(node="n2", kind="ramp_held")), None)
+        time.sleep(0.1)
+    assert "waiting > 2" in held["message"] and "ramp held at 25%" in held["message"]
+    assert fleet.node("n2")["state"] == "ramping"
+    for t in flood:
+        t.join()
+    fleet.wait_state("n2", "active", timeout=30)

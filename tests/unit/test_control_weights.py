@@ -89,7 +89,8 @@ def gpu(*totals: int, status: str = "ok", blocks: int | None = None) -> dict:
 
 
 def blocks(n: int | None) -> dict:
-    return {"gpu": {"status": "unavailable", "reason": "NVML Shared Library Not Found"}, "engine": {"num_gpu_blocks": n}}
+    return {"gpu": {"status": "unavailable", "reason": "NVML Shared Library Not Found"},
+            "engine": {"num_gpu_blocks": n}}
 
 
 def test_capacity_figure_of_one_node() -> None:

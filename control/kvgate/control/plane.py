@@ -162,6 +162,7 @@ class ControlPlane:
         self._thread: threading.Thread | None = None
         self._warmups: dict[str, threading.Thread] = {}
         self._http = requests.Session()
+        self._pending_events: list[tuple[str, str, dict[str, Any]]] = []
 
     # ================================================================ lifecycle
     def start(self, policy_text: str | None, source: str) -> None:
@@ -193,6 +194,7 @@ class ControlPlane:
                 self.apply_policy(policy_text, source)
             if file_digest:
                 self.store.set("startup_file_digest", file_digest)
+        self._started_at = time.time()  # agents' missing reports count from here (see _report_grace)
         self._thread = threading.Thread(target=self._loop, name="kvgate-reconciler", daemon=True)
         self._thread.start()
 
@@ -234,6 +236,13 @@ class ControlPlane:
                     from_state=old, to_state=to, reason=reason)
 
     # ================================================================== policy
+    def _flush_pending_events(self, keep: bool = True) -> None:
+        """Record (or, for a refused policy, drop) the node_added/node_removed events of _adopt."""
+        pending, self._pending_events = self._pending_events, []
+        if keep:
+            for kind, message, where in pending:
+                self._event(kind, message, **where)
+
     def _adopt(self, policy: Policy, text: str) -> None:
         """Make ``policy`` current: create records for new nodes, drop removed ones."""
         first = not self.nodes
@@ -242,7 +251,8 @@ class ControlPlane:
             if node_id not in wanted:
                 self.nodes.pop(node_id)
                 self.store.delete_node(node_id)
-                self._event("node_removed", f"{node_id}: removed from the policy", node=node_id)
+                self._pending_events.append(("node_removed", f"{node_id}: removed from the policy",
+                                             {"node": node_id}))
         now = time.time()
         for pool in policy.pools:
             for node in pool.nodes:
@@ -255,7 +265,8 @@ class ControlPlane:
                            "ramp": None, "drain": None, "warmup": None, "engine_start_time": None,
                            "resume_state": None, "has_agent": False, "last_weight_change": None}
                     self.nodes[node.id] = rec
-                    self._event("node_added", f"{node.id}: {reason}, state {state}", node=node.id, pool=pool.name)
+                    self._pending_events.append(("node_added", f"{node.id}: {reason}, state {state}",
+                                                 {"node": node.id, "pool": pool.name}))
                 rec["pool"], rec["url"] = pool.name, node.url
                 self._save(rec)
         self.pools = {p.name: self.pools.get(p.name) or self.store.pools([p.name]).get(p.name)
@@ -296,6 +307,8 @@ class ControlPlane:
             except PolicyError:
                 self.metrics.policy_applies.labels("invalid").inc()
                 raise
+            if self.policy is not None:
+                self._check_restart_fields(policy)
             # deep copies: _adopt and the weight updates change the records in place (url, base weight)
             old = (self.policy, getattr(self, "_policy_text", None), copy.deepcopy(self.nodes),
                    copy.deepcopy(self.pools))
@@ -310,6 +323,7 @@ class ControlPlane:
             except ApplyError as exc:
                 self.metrics.policy_applies.labels("failed").inc()
                 self._event("policy_rejected", f"policy from {source} not applied: {str(exc).splitlines()[0]}")
+                self._flush_pending_events(keep=False)
                 self.policy, self._policy_text, self.nodes, self.pools = old
                 for rec in self.nodes.values():
                     self._save(rec)
@@ -319,6 +333,7 @@ class ControlPlane:
                     except StoreError as store_exc:
                         log.warning("%s", store_exc)
                 raise
+            self._flush_pending_events()
             digest = hashlib.sha256(text.encode()).hexdigest()[:16]
             latest = self.store.latest_version()
             changed = not latest or latest["yaml"] != text
@@ -331,6 +346,23 @@ class ControlPlane:
             self.metrics.policy_applies.labels("applied").inc()
             self._write_running_copy(text)
             return {"version": self.policy_version["version"], "result": result, "changed": changed}
+
+    def _check_restart_fields(self, policy: Policy) -> None:
+        """Refuse, through the API, changes a running control plane cannot make to itself:
+        its own address and its Redis (``kvgate up`` restarts it for those)."""
+        from ..policy import PolicyIssue
+
+        assert self.policy is not None
+        issues = []
+        if policy.control.listen != self.policy.control.listen:
+            issues.append(PolicyIssue("control.listen", "the running control plane cannot move to another address; "
+                                      "apply this policy with `kvgate up` (it restarts the control plane)"))
+        if policy.redis.url != self.policy.redis.url:
+            issues.append(PolicyIssue("redis.url", "the running control plane keeps its state in the current Redis; "
+                                      "apply this policy with `kvgate up` (it restarts the control plane)"))
+        if issues:
+            self.metrics.policy_applies.labels("invalid").inc()
+            raise PolicyError("policy", issues)
 
     def rollback(self, version: int) -> dict[str, Any]:
         """Apply a stored version again (as a new version). Raises NotFound, PolicyError, ApplyError."""
@@ -418,10 +450,10 @@ class ControlPlane:
         return entry["report"] if now - entry["received_at"] <= limit else None
 
     # ============================================================== gateway
-    def _scrape_gateway(self) -> None:
-        """Per-node in-flight, answers and 5xx, and failovers from the gateway's ``/metrics``."""
-        assert self.policy is not None
-        url = f"http://{_local(self.policy.gateway.listen)}/metrics"
+    def _fetch_gateway(self, listen: str) -> dict[str, Any]:
+        """Per-node in-flight, answers and 5xx, and failovers from the gateway's ``/metrics``
+        (network I/O: called without the lock)."""
+        url = f"http://{_local(listen)}/metrics"
         snap: dict[str, Any] = {"ok": False, "inflight": {}, "requests": {}, "errors": {}, "failovers": {}}
         try:
             text = self._http.get(url, timeout=2).text
@@ -441,6 +473,10 @@ class ControlPlane:
             snap["ok"] = True
         except (requests.RequestException, ValueError) as exc:
             snap["error"] = str(exc).splitlines()[0]
+        return snap
+
+    def _take_gateway(self, snap: dict[str, Any]) -> None:
+        """Adopt a gateway snapshot; failover counter increases become events."""
         prev = self._gateway
         if snap["ok"] and prev.get("ok"):
             for pool, value in snap["failovers"].items():
@@ -452,19 +488,34 @@ class ControlPlane:
 
     # ================================================================== tick
     def tick(self) -> None:
-        """One reconciler round (see the module docstring)."""
+        """One reconciler round (see the module docstring).
+
+        Network I/O (the gateway's ``/metrics``, engine probes, a draining engine's
+        in-flight count) happens before the lock is taken, so API calls are not held up
+        by a slow or dead engine; only the state changes and the nginx apply hold it."""
         with self.lock:
             if self.policy is None:
                 return
-            self.metrics.ticks.inc()
+            policy = self.policy
+            urls = {rec["id"]: rec["url"] for rec in self.nodes.values()}
+            draining = {rec["id"]: rec["url"] for rec in self.nodes.values() if rec["state"] == st.DRAINING}
+            probe_now = time.monotonic() >= self._probe_due
+            if probe_now:
+                self._probe_due = time.monotonic() + policy.health.probe_interval_s
+        self.metrics.ticks.inc()
+        snap = self._fetch_gateway(policy.gateway.listen)
+        reports = self._reports()
+        probes = self._probe_all(urls, policy.health.probe_timeout_s) if probe_now else None
+        engine_inflight = {node_id: self._engine_inflight(url) for node_id, url in draining.items()}
+        with self.lock:
+            if self.policy is None:
+                return
             now = time.time()
-            self._scrape_gateway()
-            reports = self._reports()
-            if time.monotonic() >= self._probe_due:
-                self._probe_due = time.monotonic() + self.policy.health.probe_interval_s
-                self._health_round(reports, now)
+            self._take_gateway(snap)
+            if probes is not None:
+                self._health_round(reports, now, probes)
             self._ramp_round(reports, now)
-            self._drain_round(reports, now)
+            self._drain_round(now, engine_inflight)
             self._overload_round(reports, now)
             self._update_targets(now)
             self._try_apply()
@@ -478,11 +529,17 @@ class ControlPlane:
                     self.metrics.report_age.labels(rec["id"]).set(max(0.0, now - entry["received_at"]))
 
     # ---------------------------------------------------------------- health
-    def _probe(self, url: str) -> str | None:
-        """None if ``GET url/health`` answers 200 within the probe timeout, else the reason."""
-        assert self.policy is not None
+    def _probe_all(self, urls: dict[str, str], timeout: float) -> dict[str, str | None]:
+        """Probe every engine at once: node id → None (healthy) or the reason it failed."""
+        if not urls:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(16, len(urls))) as ex:
+            return dict(zip(urls, ex.map(lambda u: self._probe(u, timeout), urls.values())))
+
+    def _probe(self, url: str, timeout: float) -> str | None:
+        """None if ``GET url/health`` answers 200 within ``timeout``, else the reason."""
         try:
-            resp = self._http.get(f"{url}/health", timeout=self.policy.health.probe_timeout_s)
+            resp = requests.get(f"{url}/health", timeout=timeout)
         except requests.RequestException as exc:
             return f"health probe failed: {type(exc).__name__}"
         return None if resp.status_code == 200 else f"health probe answered HTTP {resp.status_code}"
@@ -496,13 +553,12 @@ class ControlPlane:
         window = self.policy.health.missing_reports * ri + max(ri, min(10.0, 5 * ri))
         return now - self._started_at <= window
 
-    def _health_round(self, reports: dict[str, dict[str, Any]], now: float) -> None:
+    def _health_round(self, reports: dict[str, dict[str, Any]], now: float, probes: dict[str, str | None]) -> None:
         assert self.policy is not None
         hc = self.policy.health
-        recs = list(self.nodes.values())
-        with ThreadPoolExecutor(max_workers=min(16, max(1, len(recs)))) as ex:
-            probes = dict(zip([r["id"] for r in recs], ex.map(lambda r: self._probe(r["url"]), recs)))
-        for rec in recs:
+        for rec in list(self.nodes.values()):
+            if rec["id"] not in probes:
+                continue  # joined after the probes were sent
             reasons = [probes[rec["id"]]] if probes[rec["id"]] else []
             entry = reports.get(rec["id"])
             if rec.get("has_agent"):
@@ -684,22 +740,17 @@ class ControlPlane:
             return None
         return float(figures.get("running") or 0) + float(figures.get("waiting") or 0)
 
-    def inflight(self, node_id: str) -> dict[str, float | None]:
-        """``{"gateway": n, "engine": n|None}``: the gateway's per-node in-flight count and the
-        engine's running + waiting requests."""
-        rec = self.nodes[node_id]
-        return {"gateway": self._gateway["inflight"].get(node_id, 0.0) if self._gateway.get("ok") else None,
-                "engine": self._engine_inflight(rec["url"])}
-
-    def _drain_round(self, reports: dict[str, dict[str, Any]], now: float) -> None:
+    def _drain_round(self, now: float, engine_inflight: dict[str, float | None]) -> None:
+        """Finish drains: a draining node whose gateway in-flight count (``kvgate_upstream_inflight``)
+        and engine running + waiting were both 0 on two checks in a row is drained."""
         for rec in self.nodes.values():
-            if rec["state"] != st.DRAINING:
+            if rec["state"] != st.DRAINING or rec["id"] not in engine_inflight:
                 continue
             d = rec["drain"]
-            counts = self.inflight(rec["id"])
-            d["inflight_gateway"], d["inflight_engine"] = counts["gateway"], counts["engine"]
-            g = counts["gateway"]
-            e = counts["engine"] or 0.0  # an engine that does not answer has nothing in flight
+            g = self._gateway["inflight"].get(rec["id"], 0.0) if self._gateway.get("ok") else None
+            e = engine_inflight[rec["id"]]
+            d["inflight_gateway"], d["inflight_engine"] = g, e
+            e = e or 0.0  # an engine that does not answer has nothing in flight
             self.metrics.inflight.labels(rec["id"]).set(max(g or 0.0, e))
             idle = g is not None and g <= 0 and e <= 0 and now - d["started"] >= 1.0
             if idle:
@@ -827,9 +878,11 @@ class ControlPlane:
             self._save(rec)
             try:
                 self._apply_runtime()
-            except ApplyError:
+            except ApplyError as exc:
                 self.nodes[node_id] = previous
                 self._save(previous)
+                self._event("drain_failed", f"{node_id}: drain not applied, back to {previous['state']}: "
+                            f"{str(exc).splitlines()[0]}", node=node_id, pool=previous["pool"])
                 raise
             return self.node_view(node_id)
 
