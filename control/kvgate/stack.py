@@ -278,8 +278,16 @@ class Stack:
     def start_sim(self, policy: Policy, node: NodeConfig) -> str:
         """Start the node's simulator, keep it if it runs with the same settings, or restart it
         when the policy changed them. Returns ``started``, ``running`` or ``restarted``."""
-        name = f"sim-{node.id}"
-        cmd = self.sim_command(policy, node)
+        def port_free() -> None:
+            if _port_open(node.host, node.port):
+                raise StackError(f"sim-{node.id}: port {node.address} is already in use by another program")
+
+        return self._keep_or_spawn(f"sim-{node.id}", self.sim_command(policy, node), before_start=port_free)
+
+    def _keep_or_spawn(self, name: str, cmd: list[str], before_start=None) -> str:
+        """Keep process ``name`` if it runs with exactly ``cmd``'s arguments, else (re)start it
+        in its own session with output to ``logs/<name>.log``. Returns ``running``,
+        ``started`` or ``restarted``."""
         pid = self._live_pid(name)
         restarted = False
         if pid:
@@ -288,14 +296,18 @@ class Stack:
                 return "running"
             self._stop_pid(name)
             restarted = True
-        if _port_open(node.host, node.port):
-            raise StackError(f"{name}: port {node.address} is already in use by another program")
-        log = open(self.logs / f"{name}.log", "ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, close_fds=True)
-        log.close()
-        self._pid_file(name).write_text(f"{proc.pid}\n")
+        if before_start:
+            before_start()
+        self._spawn(name, cmd)
         return "restarted" if restarted else "started"
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        """Start ``cmd`` detached (own session), output to ``logs/<name>.log``, pid to ``pids/<name>.pid``."""
+        with open(self.logs / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, close_fds=True)
+        self._pid_file(name).write_text(f"{proc.pid}\n")
+        return proc
 
     @staticmethod
     def http_healthy(url: str) -> bool:
@@ -447,11 +459,7 @@ class Stack:
         host, _, port = self.control_url(policy).removeprefix("http://").rpartition(":")
         if _port_open(host.strip("[]"), int(port)):
             raise StackError(f"control: {policy.control.listen} is already in use by another program")
-        log = open(self.logs / "control.log", "ab")
-        proc = subprocess.Popen(self.control_command(policy_path, policy), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
-        log.close()
-        self._pid_file("control").write_text(f"{proc.pid}\n")
+        proc = self._spawn("control", self.control_command(policy_path, policy))
         deadline = time.monotonic() + timeout
         while not self.http_healthy(self.control_url(policy) + "/healthz"):
             if proc.poll() is not None:
@@ -472,21 +480,7 @@ class Stack:
     def start_agent(self, policy: Policy, node: NodeConfig) -> str:
         """Start the node agent of a simulated node (restart it when its arguments changed).
         Returns ``started``, ``running`` or ``restarted``."""
-        name = f"agent-{node.id}"
-        cmd = self.agent_command(policy, node)
-        pid = self._live_pid(name)
-        restarted = False
-        if pid:
-            if self._cmdline(pid)[1:] == cmd[1:]:
-                return "running"
-            self._stop_pid(name)
-            restarted = True
-        log = open(self.logs / f"{name}.log", "ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, close_fds=True)
-        log.close()
-        self._pid_file(name).write_text(f"{proc.pid}\n")
-        return "restarted" if restarted else "started"
+        return self._keep_or_spawn(f"agent-{node.id}", self.agent_command(policy, node))
 
     def _wait_healthy(self, policy: Policy, sims: list[NodeConfig], timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -8,3 +8,7 @@ from gwfixtures import (  # noqa: F401  (re-exported fixtures)
     start_redis,
     start_sims,
 )
+from ctlfixtures import (  # noqa: F401  (re-exported fixtures)
+    control_fleet,
+    control_fleet_module,
+)

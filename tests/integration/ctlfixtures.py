@@ -147,16 +147,20 @@ simulator: {{model: {MODEL}, {sim}}}
 def control_fleet(tmp_path: Path) -> Iterator[Callable[..., Fleet]]:
     """Factory: ``control_fleet(n=3, start=3, **template_kw)`` starts a stack whose policy
     lists the first ``start`` of ``n`` reserved nodes (the rest can join later)."""
+    yield from _fleets(tmp_path)
+
+
+def _fleets(base: Path) -> Iterator[Callable[..., Fleet]]:
+    """The factory behind both fixtures; stops every fleet it started when resumed."""
     fleets: list[Fleet] = []
 
     def make(n: int = 3, start: int | None = None, template: Callable[..., str] = default_template,
              **kw: Any) -> Fleet:
-        fleet = Fleet(tmp=tmp_path, run_dir=tmp_path / f"run{len(fleets)}", policy_path=tmp_path / f"policy{len(fleets)}.yaml",
+        fleet = Fleet(tmp=base, run_dir=base / f"run{len(fleets)}", policy_path=base / f"policy{len(fleets)}.yaml",
                       gateway_port=free_port(), redis_port=free_port(), control_port=free_port(),
                       node_ports={f"n{i + 1}": free_port() for i in range(n)}, template=template, kw=kw)
         fleets.append(fleet)
-        names = sorted(fleet.node_ports)[: start if start is not None else n]
-        fleet.kw["nodes"] = names
+        fleet.kw["nodes"] = sorted(fleet.node_ports)[: start if start is not None else n]
         fleet.write_policy()
         up = fleet.kvgate("up", str(fleet.policy_path))
         assert up.returncode == 0, up.stdout + up.stderr
@@ -183,22 +187,24 @@ def control_fleet_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
     """``control_fleet`` shared by a test module: same factory arguments, one temp folder per
     module, every fleet it started stopped (``kvgate down``) after the module's last test.
     Tests sharing a fleet must leave it usable for the next (or restore what they change)."""
-    base = tmp_path_factory.mktemp("ctlfleet")
-    fleets: list[Fleet] = []
+    yield from _fleets(tmp_path_factory.mktemp("ctlfleet"))
 
-    def make(n: int = 3, start: int | None = None, template: Callable[..., str] = default_template,
-             **kw: Any) -> Fleet:
-        fleet = Fleet(tmp=base, run_dir=base / f"run{len(fleets)}", policy_path=base / f"policy{len(fleets)}.yaml",
-                      gateway_port=free_port(), redis_port=free_port(), control_port=free_port(),
-                      node_ports={f"n{i + 1}": free_port() for i in range(n)}, template=template, kw=kw)
-        fleets.append(fleet)
-        fleet.kw["nodes"] = sorted(fleet.node_ports)[: start if start is not None else n]
-        fleet.write_policy()
-        up = fleet.kvgate("up", str(fleet.policy_path))
-        assert up.returncode == 0, up.stdout + up.stderr
-        fleet.token = (fleet.run_dir / "admin.token").read_text().strip()
-        return fleet
 
-    yield make
-    for fleet in fleets:
-        fleet.kvgate("down")
+async def stream_chat(client, key: str, tokens: int, content: str | None = None) -> dict[str, Any]:
+    """One streamed chat through the `openai` client with session ``key``: tokens received,
+    finish reason, the error (type and message) if it raised, and how long it took."""
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"tokens": 0, "finish": None, "error": None, "seconds": 0.0}
+    try:
+        stream = await client.chat.completions.create(
+            model=MODEL, max_tokens=tokens, stream=True,
+            messages=[{"role": "user", "content": content or f"stream {key}"}],
+            extra_headers={"X-Session-Id": key, "Cache-Control": "no-store"})
+        async for chunk in stream:
+            for choice in chunk.choices:
+                out["tokens"] += bool(choice.delta.content)
+                out["finish"] = choice.finish_reason or out["finish"]
+    except Exception as exc:  # counted as a failure by the tests
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.monotonic() - t0
+    return out

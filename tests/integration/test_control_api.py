@@ -21,7 +21,7 @@ import redis as redis_lib
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from ctlfixtures import MODEL, Fleet, control_fleet_module  # noqa: F401  (fixture)
+from ctlfixtures import MODEL, Fleet
 from kvgate.control.plane import ControlPlane
 from kvgate.control.store import Store
 from kvgate.nginxctl import Nginx

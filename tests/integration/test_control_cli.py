@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from ctlfixtures import Fleet, control_fleet_module  # noqa: F401  (fixture)
+from ctlfixtures import Fleet
 
 pytestmark = pytest.mark.integration
 

@@ -10,29 +10,11 @@ import time
 import openai
 import pytest
 
-from ctlfixtures import MODEL, control_fleet  # noqa: F401  (fixture)
+from ctlfixtures import stream_chat
 
 pytestmark = pytest.mark.integration
 
 STREAM_TOKENS = 24
-
-
-async def _stream(client: openai.AsyncOpenAI, key: str, tokens: int = STREAM_TOKENS) -> dict:
-    """One streamed chat; returns what arrived: tokens, finish reason, the error if any."""
-    out = {"tokens": 0, "finish": None, "error": None}
-    try:
-        stream = await client.chat.completions.create(
-            model=MODEL, max_tokens=tokens, stream=True, messages=[{"role": "user", "content": f"drain test {key}"}],
-            extra_headers={"X-Session-Id": key, "Cache-Control": "no-store"})
-        async for chunk in stream:
-            for choice in chunk.choices:
-                if choice.delta.content:
-                    out["tokens"] += 1
-                if choice.finish_reason:
-                    out["finish"] = choice.finish_reason
-    except Exception as exc:  # counted as a failure by the test
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    return out
 
 
 def test_drain_under_load_loses_nothing_and_moves_only_its_keys(control_fleet):
@@ -50,7 +32,7 @@ def test_drain_under_load_loses_nothing_and_moves_only_its_keys(control_fleet):
     results: list[dict] = []
 
     async def load() -> None:
-        results.extend(await asyncio.gather(*[_stream(client, hot_key) for _ in range(200)]))
+        results.extend(await asyncio.gather(*[stream_chat(client, hot_key, STREAM_TOKENS) for _ in range(200)]))
 
     runner = threading.Thread(target=lambda: asyncio.run(load()))
     runner.start()
@@ -125,7 +107,7 @@ def test_reload_storm_under_streaming_load_fails_nothing(control_fleet, keepaliv
     async def worker(i: int) -> None:
         n = 0
         while not stop.is_set():
-            results.append(await _stream(client, f"storm-{i}-{n % 7}", tokens=16))
+            results.append(await stream_chat(client, f"storm-{i}-{n % 7}", tokens=16))
             n += 1
 
     async def load() -> None:

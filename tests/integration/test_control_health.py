@@ -14,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from ctlfixtures import MODEL, control_fleet  # noqa: F401  (fixture)
+from ctlfixtures import MODEL, stream_chat
 
 pytestmark = pytest.mark.integration
 
@@ -24,23 +24,6 @@ def _keys_by_node(fleet, n: int = 60) -> dict[str, list[str]]:
     for i in range(n):
         key = f"key-{i}"
         out.setdefault(fleet.route(key), []).append(key)
-    return out
-
-
-async def _stream(client: openai.AsyncOpenAI, key: str, tokens: int) -> dict:
-    t0 = time.monotonic()
-    out = {"tokens": 0, "finish": None, "error": None, "seconds": 0.0}
-    try:
-        stream = await client.chat.completions.create(
-            model=MODEL, max_tokens=tokens, stream=True, messages=[{"role": "user", "content": f"kill test {key}"}],
-            extra_headers={"X-Session-Id": key, "Cache-Control": "no-store"})
-        async for chunk in stream:
-            for choice in chunk.choices:
-                out["tokens"] += bool(choice.delta.content)
-                out["finish"] = choice.finish_reason or out["finish"]
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    out["seconds"] = time.monotonic() - t0
     return out
 
 
@@ -56,7 +39,7 @@ def test_engine_killed_under_load(control_fleet):
 
     async def long_streams() -> None:
         # 400 tokens × 20 ms × 0.5 = 4 s each: still streaming when the engine dies
-        doomed.extend(await asyncio.gather(*[_stream(client, k, 400) for k in by_node[victim][:8]]))
+        doomed.extend(await asyncio.gather(*[stream_chat(client, k, 400) for k in by_node[victim][:8]]))
 
     runner = threading.Thread(target=lambda: asyncio.run(long_streams()))
     runner.start()
@@ -193,7 +176,7 @@ def test_overload_degrades_to_least_conn_and_back_and_weights_follow_load(contro
 
     async def load() -> list[dict]:
         # 60 requests of 0.4 s on 3 engines of 2 slots: each engine queues ~8 for several seconds
-        return await asyncio.gather(*[_stream(client, f"ov-{i}", 20) for i in range(60)])
+        return await asyncio.gather(*[stream_chat(client, f"ov-{i}", 20) for i in range(60)])
 
     results: list[dict] = []
     runner = threading.Thread(target=lambda: results.extend(asyncio.run(load())))

@@ -4,70 +4,21 @@ paging, cap), policy versions (newest first, cap) and behaviour with Redis gone.
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import time
-from contextlib import closing
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-import redis as redis_lib
 
+from gwfixtures import RedisServer, _start_redis, free_port
 from kvgate.control.store import PREFIX, Store, StoreError
 
-REDIS = shutil.which("redis-server") or shutil.which("redis-server", path="/usr/sbin:/usr/bin")
-pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server not installed")
-
-
-def free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisProc:
-    def __init__(self, base: Path):
-        self.port = free_port()
-        self.dir = base / f"redis-{self.port}"
-        self.dir.mkdir(parents=True)
-        self.proc = subprocess.Popen(
-            [str(REDIS), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.dir), "--logfile", str(self.dir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 15
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.dir}")
-            try:
-                with redis_lib.Redis(port=self.port, socket_connect_timeout=1, socket_timeout=1) as c:
-                    if c.ping():
-                        break
-            except redis_lib.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"redis-server on {self.port} did not answer")
-            time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+pytestmark = pytest.mark.integration
+RedisProc = RedisServer
 
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc]:
-    server = RedisProc(tmp_path_factory.mktemp("store"))
+    server = _start_redis(tmp_path_factory.mktemp("store"))
     yield server
     server.stop()
 
@@ -225,7 +176,7 @@ def test_other_calls_raise_store_error_when_redis_is_unreachable() -> None:
 
 
 def test_store_survives_redis_stopping(tmp_path: Path) -> None:
-    server = RedisProc(tmp_path)
+    server = _start_redis(tmp_path)
     try:
         s = Store(server.url, timeout_s=0.5)
         assert s.add_event("state", "before")["id"]
