@@ -566,7 +566,7 @@ class ControlPlane:
                 if fresh is None and not self._report_grace(now):
                     age = now - entry["received_at"] if entry else None
                     reasons.append("no agent report" + (f" for {age:.0f}s" if age is not None else ""))
-                elif not (fresh.get("engine") or {}).get("healthy", True):
+                elif fresh is not None and not (fresh.get("engine") or {}).get("healthy", True):
                     reasons.append("agent: engine " + str((fresh.get("engine") or {}).get("error") or "unhealthy"))
             h = rec["health"]
             h["last_check"] = now
