@@ -72,6 +72,17 @@ class Fleet:
         headers = {"Authorization": f"Bearer {self.token}", **kw.pop("headers", {})}
         return self.session.request(method, self.control + path, headers=headers, timeout=kw.pop("timeout", 60), **kw)
 
+    def tick_errors(self) -> float:
+        """``kvgate_control_tick_errors_total`` (0 if the control plane does not answer)."""
+        try:
+            text = self.api("GET", "/metrics", timeout=5).text
+        except requests.RequestException:
+            return 0.0
+        for line in text.splitlines():
+            if line.startswith("kvgate_control_tick_errors_total "):
+                return float(line.split()[1])
+        return 0.0
+
     def node(self, node_id: str) -> dict[str, Any]:
         r = self.api("GET", f"/api/v1/nodes/{node_id}")
         assert r.status_code == 200, r.text
@@ -168,8 +179,12 @@ def _fleets(base: Path) -> Iterator[Callable[..., Fleet]]:
         return fleet
 
     yield make
+    errors = {}
     for fleet in fleets:
+        errors[fleet.run_dir.name] = fleet.tick_errors()
         fleet.kvgate("down")
+    # a reconciler round that raised is logged and counted, never silent: no test may cause one
+    assert not any(errors.values()), (errors, "see the run dir's logs/control.log")
 
 
 def sse_events(text: str) -> list[Any]:
