@@ -71,6 +71,8 @@ def agent_command(ctx: click.Context, node_id: str, engine_url: str, control_url
     CONTROL_URL/api/v1/nodes/NODE_ID/report with the admin token. It keeps going whatever fails
     (logging one line per problem) until SIGTERM or Ctrl-C.
     """
+    if not node_id.strip() or node_id != node_id.strip():
+        _fail("--node-id must be a node id of the policy (pools[].nodes[].id), not empty")
     engine_url = _check_url("--engine-url", engine_url)
     control_url = _check_url("--control-url", control_url)
     if token_file is not None:

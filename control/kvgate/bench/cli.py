@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -124,6 +125,13 @@ def replay_command(ctx: click.Context, trace_path: Path, policy_path: Path | Non
     from ..stack import Stack
 
     console = Console(stderr=True)
+
+    def _interrupt(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # SIGTERM/SIGHUP unwind like Ctrl-C, so the `finally` below restores the policy's balancer
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
     stack = Stack((ctx.obj or {}).get("run_dir"))
     try:
         running = stack.load_running_policy()

@@ -95,15 +95,17 @@ def nodes_command(ctx, as_json: bool, control_url, token) -> None:
 @click.argument("node")
 @click.option("--wait", is_flag=True, help="Wait until the node is drained (exit 0), or the timeout (exit 1).")
 @click.option("--timeout", default=900.0, show_default=True, help="Seconds --wait waits.")
+@click.option("--force", is_flag=True, help="Drain even the last serving node of its pool (its pool then fails).")
 @connection
 @click.pass_context
-def drain_command(ctx, node: str, wait: bool, timeout: float, control_url, token) -> None:
-    """Stop new requests reaching NODE; with --wait, return once its in-flight requests finished."""
+def drain_command(ctx, node: str, wait: bool, timeout: float, force: bool, control_url, token) -> None:
+    """Stop new requests reaching NODE; with --wait, return once its in-flight requests finished.
+    Draining a draining or drained node is not an error."""
     from ..control.client import ControlError
 
     client = _client(ctx, control_url, token)
     try:
-        n = client.action(node, "drain")
+        n = client.action(node, "drain?force=true" if force else "drain")
         click.echo(f"{node}: {n['state']}")
         if not wait:
             return
@@ -169,9 +171,14 @@ def warm_command(ctx, node: str, wait: bool, control_url, token) -> None:
     if not wait:
         click.echo(f"{node}: warm-up started")
         return
+    if not r.get("prompts"):
+        click.echo(f"{node}: nothing to send: the pool has no warmup.prompts and no captured hot prefixes "
+                   "(warmup.capture_prefix_text is off, or no traffic yet)")
+        return
+    ttft = (f"; TTFT {r['ttft_before_ms']:.1f} ms cold → {r['ttft_after_ms']:.1f} ms warm"
+            if r.get("ttft_before_ms") is not None and r.get("ttft_after_ms") is not None else "")
     click.echo(f"{node}: warm-up {w.get('status')}: {r.get('sent', 0)} sent, {r.get('failed', 0)} failed "
-               f"({r.get('from_policy', 0)} policy prompt(s), {r.get('from_hot_prefixes', 0)} hot prefix(es)); "
-               f"TTFT {r.get('ttft_before_ms')} ms before, {r.get('ttft_after_ms')} ms after")
+               f"({r.get('from_policy', 0)} policy prompt(s), {r.get('from_hot_prefixes', 0)} hot prefix(es)){ttft}")
     if w.get("status") == "failed":
         sys.exit(1)
 
@@ -190,8 +197,12 @@ def apply_command(ctx, policy: Path, control_url, token) -> None:
     except OSError as exc:
         click.echo(f"error: cannot read {policy}: {exc.strerror}", err=True)
         sys.exit(2)
+    except UnicodeDecodeError:
+        click.echo(f"error: {policy} is not UTF-8 text: is it a policy YAML file?", err=True)
+        sys.exit(2)
+    client = _client(ctx, control_url, token)
     try:
-        res = _client(ctx, control_url, token).apply(text, source=f"kvgate apply {policy}")
+        res = client.apply(text, source=f"kvgate apply {policy}")
     except ControlError as exc:
         if exc.issues:
             click.echo(f"error: invalid policy {policy}:", err=True)
@@ -201,12 +212,19 @@ def apply_command(ctx, policy: Path, control_url, token) -> None:
         _fail(exc)
     what = "applied as version" if res["changed"] else "unchanged, still version"
     click.echo(f"{policy}: {what} {res['version']} (nginx {res['result']})")
+    try:
+        joining = [n["id"] for n in client.nodes() if n["state"] == "joining"]
+    except ControlError:
+        joining = []
+    if joining:
+        click.echo(f"joining: {', '.join(joining)}: each waits for its engine to answer /health, then warms up and "
+                   "ramps in (`apply` starts no process: `kvgate up POLICY` starts simulated engines and agents)")
 
 
 @click.command("events")
 @click.option("--node", default=None, help="Only this node's events.")
 @click.option("--kind", default=None, help="Only events of this kind (prefix: state, reload, warmup, degrade, ...).")
-@click.option("-n", "--limit", default=30, show_default=True)
+@click.option("-n", "--limit", default=30, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--json", "as_json", is_flag=True)
 @connection
 @click.pass_context

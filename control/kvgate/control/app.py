@@ -35,7 +35,8 @@ from typing import Any
 from flask import Flask, Response, jsonify, request
 
 from ..policy import PolicyError
-from .plane import ApplyError, ControlPlane, NotFound
+from .plane import ApplyError, Conflict, ControlPlane, NotFound
+from .report import ReportError, check_report
 from .states import InvalidTransition
 from .store import StoreError
 
@@ -57,10 +58,7 @@ def _policy_text() -> str:
         if not isinstance(body, dict) or not isinstance(body.get("yaml"), str):
             raise ValueError('expected a JSON object {"yaml": "<policy text>"} or a YAML body')
         return body["yaml"]
-    text = request.get_data(as_text=True)
-    if not text.strip():
-        raise ValueError("empty body: send the policy YAML (Content-Type: application/yaml)")
-    return text
+    return request.get_data(as_text=True)
 
 
 def create_app(plane: ControlPlane, token: str) -> Flask:
@@ -95,6 +93,14 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
     def _conflict(exc: InvalidTransition):
         return _error(409, str(exc), "conflict_error", "invalid_transition",
                       state=exc.current, wanted=exc.wanted)
+
+    @app.errorhandler(ReportError)
+    def _bad_report(exc: ReportError):
+        return _error(422, str(exc), "invalid_request_error", "invalid_report", issues=exc.issues)
+
+    @app.errorhandler(Conflict)
+    def _refused(exc: Conflict):
+        return _error(409, str(exc), "conflict_error", "conflict")
 
     @app.errorhandler(PolicyError)
     def _bad_policy(exc: PolicyError):
@@ -147,14 +153,12 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
 
     @app.post("/api/v1/nodes/<node_id>/report")
     def report(node_id: str):
-        body = request.get_json(silent=True)
-        if not isinstance(body, dict):
-            raise ValueError("expected a JSON object (the agent's report)")
-        return jsonify(plane.report(node_id, body))
+        return jsonify(plane.report(node_id, check_report(request.get_json(silent=True))))
 
     @app.post("/api/v1/nodes/<node_id>/drain")
     def drain(node_id: str):
-        return jsonify(plane.drain(node_id, reason="API")), 202
+        force = request.args.get("force", "").lower() in ("1", "true", "yes")
+        return jsonify(plane.drain(node_id, reason="API", force=force)), 202
 
     @app.post("/api/v1/nodes/<node_id>/undrain")
     def undrain(node_id: str):

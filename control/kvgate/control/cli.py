@@ -34,7 +34,7 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
     import waitress
 
     from ..nginxctl import Nginx
-    from ..policy import load_policy
+    from ..policy import load_policy, parse_policy_text
     from ..stack import default_run_dir
     from .app import create_app
     from .plane import ApplyError, ControlPlane
@@ -70,24 +70,31 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
         click.echo(f"admin token written to {token_file or run_dir / TOKEN_FILE} (mode 0600)", err=True)
     plane = ControlPlane(store, Nginx(nginx_prefix or run_dir / "nginx"), run_dir=run_dir,
                          external_gateway=external_gateway)
-    try:
-        plane.start(text, source)
-    except PolicyError as exc:
-        click.echo(f"error: invalid policy {exc.source}: " + "; ".join(str(i) for i in exc.issues), err=True)
-        sys.exit(2)
-    except (ApplyError, StoreError, ValueError) as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(1)
-    assert plane.policy is not None
-    listen = listen or plane.policy.control.listen
+    if listen is None:
+        if policy is not None:
+            listen = policy.control.listen
+        else:
+            latest = store.latest_version()
+            listen = parse_policy_text(latest["yaml"]).control.listen if latest else "127.0.0.1:9090"
     host, _, port = listen.rpartition(":")
+    # bind first: a busy port must fail before nginx is started or Redis is written
     try:
         server = waitress.create_server(create_app(plane, token), host=host.strip("[]"), port=int(port),
                                         threads=threads, ident="kvgate-control")
-    except OSError as exc:
-        plane.stop()
-        click.echo(f"error: cannot listen on {listen}: {exc.strerror or exc}", err=True)
+    except (OSError, ValueError) as exc:
+        click.echo(f"error: cannot listen on {listen}: {getattr(exc, 'strerror', None) or exc}", err=True)
         sys.exit(1)
+    try:
+        plane.start(text, source)
+    except PolicyError as exc:
+        server.close()
+        click.echo(f"error: invalid policy {exc.source}: " + "; ".join(str(i) for i in exc.issues), err=True)
+        sys.exit(2)
+    except (ApplyError, StoreError, ValueError) as exc:
+        server.close()
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+    assert plane.policy is not None
 
     def _stop(signum, _frame):
         # server.close() only closes the listening socket: waitress's loop keeps running while a

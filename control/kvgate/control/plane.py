@@ -46,12 +46,22 @@ from .weights import Damper, capacities, computed_weight, load_factor, ramp_weig
 log = logging.getLogger("kvgate.control")
 
 
+LEAKED_COUNT_S = 10.0
+"""How long a draining node's engine must be idle, with the gateway's in-flight count for it
+standing still above 0, before that count is taken for a leak (see ``_drain_round``)."""
+
+
 class ApplyError(RuntimeError):
     """nginx refused or failed to load a config; the running config keeps serving."""
 
 
 class NotFound(KeyError):
     """No node (or version) with that id."""
+
+
+class Conflict(RuntimeError):
+    """The action is refused in the current situation (the API answers 409): a warm-up already
+    runs, or draining would leave a pool without a serving node."""
 
 
 def _local(listen: str) -> str:
@@ -304,11 +314,15 @@ class ControlPlane:
         with self.lock:
             try:
                 policy = parse_policy_text(text, "policy")
-            except PolicyError:
+                if self.policy is not None:
+                    self._check_restart_fields(policy)
+            except PolicyError as exc:
                 self.metrics.policy_applies.labels("invalid").inc()
+                self._event("policy_rejected", f"policy from {source} rejected: "
+                            + "; ".join(str(i) for i in exc.issues[:5])
+                            + (f" (+{len(exc.issues) - 5} more)" if len(exc.issues) > 5 else ""),
+                            issues=[{"path": i.path, "reason": i.reason} for i in exc.issues])
                 raise
-            if self.policy is not None:
-                self._check_restart_fields(policy)
             # deep copies: _adopt and the weight updates change the records in place (url, base weight)
             old = (self.policy, getattr(self, "_policy_text", None), copy.deepcopy(self.nodes),
                    copy.deepcopy(self.pools))
@@ -317,7 +331,7 @@ class ControlPlane:
                 node = policy.node(rec["id"])
                 if rec["base_weight"] != node.weight:
                     rec["base_weight"], rec["target_weight"] = node.weight, None
-            self._update_targets(time.time())
+            self._update_targets(time.time(), self._reports())
             try:
                 result = self._apply_runtime(force=True)
             except ApplyError as exc:
@@ -361,7 +375,6 @@ class ControlPlane:
             issues.append(PolicyIssue("redis.url", "the running control plane keeps its state in the current Redis; "
                                       "apply this policy with `kvgate up` (it restarts the control plane)"))
         if issues:
-            self.metrics.policy_applies.labels("invalid").inc()
             raise PolicyError("policy", issues)
 
     def rollback(self, version: int) -> dict[str, Any]:
@@ -435,12 +448,14 @@ class ControlPlane:
                 self._save(rec)
             return {"interval_s": self.policy.control.report_interval_s if self.policy else 2.0}
 
-    def _reports(self) -> dict[str, dict[str, Any]]:
+    def _reports(self) -> dict[str, dict[str, Any]] | None:
+        """The nodes' last reports, or None when Redis cannot be read (then nothing that
+        depends on reports is decided: a Redis outage must not look like dead agents)."""
         try:
             return self.store.reports(list(self.nodes))
         except StoreError as exc:
             log.warning("%s", exc)
-            return {}
+            return None
 
     def _fresh(self, entry: dict[str, Any] | None, now: float) -> dict[str, Any] | None:
         """The report if it is younger than ``health.missing_reports`` intervals, else None."""
@@ -504,7 +519,8 @@ class ControlPlane:
                 self._probe_due = time.monotonic() + policy.health.probe_interval_s
         self.metrics.ticks.inc()
         snap = self._fetch_gateway(policy.gateway.listen)
-        reports = self._reports()
+        got = self._reports()
+        reports_ok, reports = got is not None, got or {}
         probes = self._probe_all(urls, policy.health.probe_timeout_s) if probe_now else None
         engine_inflight = {node_id: self._engine_inflight(url) for node_id, url in draining.items()}
         with self.lock:
@@ -513,11 +529,12 @@ class ControlPlane:
             now = time.time()
             self._take_gateway(snap)
             if probes is not None:
-                self._health_round(reports, now, probes)
+                self._health_round(reports, now, probes, reports_ok)
             self._ramp_round(reports, now)
             self._drain_round(now, engine_inflight)
-            self._overload_round(reports, now)
-            self._update_targets(now)
+            if reports_ok:
+                self._overload_round(reports, now)
+                self._update_targets(now, reports)
             self._try_apply()
             for rec in self.nodes.values():
                 for s in st.STATES:
@@ -553,7 +570,10 @@ class ControlPlane:
         window = self.policy.health.missing_reports * ri + max(ri, min(10.0, 5 * ri))
         return now - self._started_at <= window
 
-    def _health_round(self, reports: dict[str, dict[str, Any]], now: float, probes: dict[str, str | None]) -> None:
+    def _health_round(self, reports: dict[str, dict[str, Any]], now: float, probes: dict[str, str | None],
+                      reports_ok: bool = True) -> None:
+        """Count passed/failed checks; eject and recover. Without readable reports (Redis down)
+        only the probe counts."""
         assert self.policy is not None
         hc = self.policy.health
         for rec in list(self.nodes.values()):
@@ -561,7 +581,7 @@ class ControlPlane:
                 continue  # joined after the probes were sent
             reasons = [probes[rec["id"]]] if probes[rec["id"]] else []
             entry = reports.get(rec["id"])
-            if rec.get("has_agent"):
+            if rec.get("has_agent") and reports_ok:
                 fresh = self._fresh(entry, now)
                 if fresh is None and not self._report_grace(now):
                     age = now - entry["received_at"] if entry else None
@@ -574,7 +594,12 @@ class ControlPlane:
                 h["fails"], h["passes"], h["last_error"] = h["fails"] + 1, 0, "; ".join(reasons)
                 self.metrics.health_checks.labels(rec["id"], "fail").inc()
                 # a joining node is not serving: it just waits for its first passing check
-                if rec["state"] in (st.WARMING, st.RAMPING, st.ACTIVE) and h["fails"] >= hc.eject_after:
+                last = rec["state"] in st.SERVING and not self._others_serving(rec)
+                if last and h["fails"] == hc.eject_after:
+                    self._event("eject_skipped", f"{rec['id']}: {h['fails']} failed health checks, but it is the "
+                                f"last serving node of pool {rec['pool']}: kept in the ring ({h['last_error']})",
+                                node=rec["id"], pool=rec["pool"])
+                if not last and rec["state"] in (st.WARMING, st.RAMPING, st.ACTIVE) and h["fails"] >= hc.eject_after:
                     rec["resume_state"] = rec["state"]
                     rec["engine_start_time_at_eject"] = rec.get("engine_start_time")
                     self._transition(rec, st.EJECTED, f"{h['fails']} failed health checks: {h['last_error']}")
@@ -614,9 +639,9 @@ class ControlPlane:
     # --------------------------------------------------------------- warm-up
     def _start_warming(self, rec: dict[str, Any], reason: str) -> None:
         self._transition(rec, st.WARMING, reason)
-        self._launch_warmup(rec, then_ramp=True)
+        self._launch_warmup(rec)
 
-    def _launch_warmup(self, rec: dict[str, Any], then_ramp: bool) -> None:
+    def _launch_warmup(self, rec: dict[str, Any]) -> None:
         node_id = rec["id"]
         running = self._warmups.get(node_id)
         if running and running.is_alive():
@@ -624,12 +649,12 @@ class ControlPlane:
         rec["warmup"] = {"status": "running", "started_at": time.time(), "result": None, "progress": [0, 0]}
         self._save(rec)
         self._event("warmup", f"{node_id}: warm-up started", node=node_id, pool=rec["pool"])
-        t = threading.Thread(target=self._warmup_thread, args=(node_id, then_ramp), name=f"warmup-{node_id}",
+        t = threading.Thread(target=self._warmup_thread, args=(node_id,), name=f"warmup-{node_id}",
                              daemon=True)
         self._warmups[node_id] = t
         t.start()
 
-    def _warmup_thread(self, node_id: str, then_ramp: bool) -> None:
+    def _warmup_thread(self, node_id: str) -> None:
         with self.lock:
             rec = self.nodes.get(node_id)
             if rec is None or self.policy is None:
@@ -663,7 +688,9 @@ class ControlPlane:
                         f"request(s) sent ({result.from_policy} policy prompt(s), {result.from_hot_prefixes} hot "
                         f"prefix(es)) in {result.duration_s:.1f}s{ttft}", node=node_id, pool=rec["pool"],
                         **{k: v for k, v in result.as_dict().items() if k != "errors"}, errors=result.errors)
-            if then_ramp and rec["state"] == st.WARMING:
+            # whoever started this warm-up: a node that is warming now goes on to ramping (an
+            # undrain or a recovery during a manual warm-up does not start a second one)
+            if rec["state"] == st.WARMING:
                 if outcome == "failed":
                     # stays warming; the next passing health check after a failure retries
                     rec["health"]["passes"] = 0
@@ -685,7 +712,7 @@ class ControlPlane:
             with self.lock:
                 rec = self.nodes.get(node_id)
                 if rec and rec["state"] == st.WARMING:
-                    self._launch_warmup(rec, then_ramp=True)
+                    self._launch_warmup(rec)
 
         threading.Thread(target=retry, daemon=True).start()
 
@@ -757,8 +784,21 @@ class ControlPlane:
                 d["zero_checks"] = d.get("zero_checks", 0) + 1
             else:
                 d["zero_checks"] = 0
+            # The engine has been idle while the gateway's count stood still: nothing can still be
+            # streaming (the gateway relays as the engine produces), so the count leaked (an nginx
+            # worker that crashed never ran its log phase).
+            stuck = d.get("gateway_stuck")
+            if g is not None and g > 0 and engine_inflight[rec["id"]] == 0:
+                if not stuck or stuck[0] != g:
+                    d["gateway_stuck"] = stuck = [g, now]
+            else:
+                d["gateway_stuck"] = stuck = None
             if d["zero_checks"] >= 2:
                 self._transition(rec, st.DRAINED, f"no request in flight after {now - d['started']:.1f}s")
+            elif stuck and now - stuck[1] >= LEAKED_COUNT_S:
+                self._transition(rec, st.DRAINED, f"engine idle for {now - stuck[1]:.0f}s while the gateway still "
+                                 f"counted {g:.0f} in flight (a count leaked by a crashed nginx worker); "
+                                 f"drained after {now - d['started']:.1f}s")
             elif now >= d["deadline"]:
                 d["timed_out"] = True
                 self._transition(rec, st.DRAINED, f"drain timeout after {now - d['started']:.0f}s with "
@@ -817,12 +857,16 @@ class ControlPlane:
                     log.warning("%s", exc)
 
     # --------------------------------------------------------------- weights
-    def _update_targets(self, now: float) -> None:
+    def _update_targets(self, now: float, reports: dict[str, dict[str, Any]] | None) -> None:
         """Recompute every node's target weight (damped, except the first one after its base
-        weight was set or changed)."""
+        weight was set or changed). ``reports`` None (unreadable): only missing targets are set."""
         assert self.policy is not None
         cfg = self.policy.weights
-        reports = self._reports()
+        if reports is None:
+            for rec in self.nodes.values():
+                if rec["target_weight"] is None:
+                    rec["target_weight"] = rec["base_weight"] * WEIGHT_SCALE
+            return
         damper = Damper(cfg)
         for pool in self.policy.pools:
             fresh = {n.id: self._fresh(reports.get(n.id), now) for n in pool.nodes}
@@ -858,17 +902,26 @@ class ControlPlane:
             raise NotFound(f"no node {node_id!r} in the policy")
         return rec
 
-    def drain(self, node_id: str, reason: str = "operator") -> dict[str, Any]:
+    def _others_serving(self, rec: dict[str, Any]) -> list[str]:
+        """Ids of the other serving (ramping/active) nodes of ``rec``'s pool."""
+        return [r["id"] for r in self.nodes.values()
+                if r["pool"] == rec["pool"] and r["id"] != rec["id"] and r["state"] in st.SERVING]
+
+    def drain(self, node_id: str, reason: str = "operator", force: bool = False) -> dict[str, Any]:
         """Stop new keys reaching the node (nginx ``down``: only its keys move to their next
         nodes on the ring) and wait for its in-flight requests in the background.
 
-        The gateway config is applied before this returns. Raises NotFound,
-        InvalidTransition, ApplyError (the node is left as it was)."""
+        Draining a draining or drained node changes nothing (idempotent). The gateway config is
+        applied before this returns. Raises NotFound, InvalidTransition, Conflict (the last
+        serving node of its pool, unless ``force``), ApplyError (the node is left as it was)."""
         with self.lock:
             rec = self._rec(node_id)
             assert self.policy is not None
-            if rec["state"] == st.DRAINING:
+            if rec["state"] in (st.DRAINING, st.DRAINED):
                 return self.node_view(node_id)
+            if rec["state"] in st.SERVING and not force and not self._others_serving(rec):
+                raise Conflict(f"{node_id} is the last serving node of pool {rec['pool']!r}: draining it leaves the "
+                               "pool without a node and every request to it fails (502); pass force to do it anyway")
             previous = dict(rec)
             self._transition(rec, st.DRAINING, f"drain requested by {reason}", action="drain")
             now = time.time()
@@ -902,15 +955,16 @@ class ControlPlane:
             rec = self._rec(node_id)
             running = self._warmups.get(node_id)
             if running and running.is_alive():
-                raise st.InvalidTransition(node_id, rec["state"], st.WARMING, action="warm (a warm-up is running)")
-            self._launch_warmup(rec, then_ramp=rec["state"] == st.WARMING)
+                raise Conflict(f"a warm-up of {node_id} is already running; wait for it (`kvgate warm {node_id}` "
+                               "waits) or follow it with `kvgate nodes`")
+            self._launch_warmup(rec)
             return self.node_view(node_id)
 
     # ================================================================= views
     def node_view(self, node_id: str, reports: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
         """One node as the API shows it: the record, its weight in force and its last report."""
         rec = self._rec(node_id)
-        reports = reports if reports is not None else self._reports()
+        reports = reports if reports is not None else (self._reports() or {})
         entry = reports.get(node_id)
         now = time.time()
         weight = self.applied.weights.get(node_id) if self.applied else None
@@ -926,7 +980,7 @@ class ControlPlane:
     def nodes_view(self) -> list[dict[str, Any]]:
         with self.lock:
             assert self.policy is not None
-            reports = self._reports()
+            reports = self._reports() or {}
             return [self.node_view(n.id, reports) for n in self.policy.nodes()]
 
     def pools_view(self) -> list[dict[str, Any]]:

@@ -164,6 +164,8 @@ def load_policy(path: str | Path) -> Policy:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise PolicyError(str(p), [PolicyIssue("", f"cannot read the file: {exc.strerror}")]) from None
+    except UnicodeDecodeError as exc:
+        raise PolicyError(str(p), [PolicyIssue("", f"not UTF-8 text (byte {exc.start}): is this a policy YAML file?")]) from None
     return parse_policy_text(text, str(p))
 
 
