@@ -86,7 +86,12 @@ class Nginx:
 
     def _run(self, *args: str, conf: str = CONF) -> subprocess.CompletedProcess:
         cmd = [self.nginx_bin, "-p", str(self.prefix) + "/", "-c", conf, *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            raise NginxError(f"`nginx {' '.join(args)}` did not finish within 60s") from None
+        except OSError as exc:
+            raise NginxError(f"cannot run {self.nginx_bin}: {exc}") from None
 
     def _installed(self) -> dict[str, str | None]:
         out: dict[str, str | None] = {}

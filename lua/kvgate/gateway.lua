@@ -42,8 +42,9 @@ local ENDPOINTS = {
     ["/v1/completions"] = "completions",
 }
 
--- prefix capture: once per pool+fingerprint per worker per SEEN_TTL_S, so a hot prefix
--- is not re-encoded and re-sent on every request (the SET is NX anyway)
+-- prefix capture: on the second sighting of a pool+fingerprint in a worker, then not again
+-- for SEEN_TTL_S, so a one-off prefix is never stored and a hot one is not re-encoded and
+-- re-sent on every request (the SET is NX anyway)
 local SEEN_TTL_S = 60
 local SEEN_ITEMS = 4096
 local seen -- per worker (created in init_worker)
@@ -81,19 +82,25 @@ local function key_hash(key)
     return h and sub(h, 1, 16) or ""
 end
 
--- the prompt prefix for warm-up, when the pool captures (opt-in); once per fingerprint
--- per worker per SEEN_TTL_S
+-- the prompt prefix for warm-up, when the pool captures (opt-in); on its second sighting
+-- per worker, then at most once per SEEN_TTL_S
 local function capture_prefix(ctx, pool, pool_name, endpoint, fp, body)
     local cap = pool.capture
     if not (cap and cap.enabled and fp) then
         return
     end
+    -- Only a prefix seen again is captured: a one-off conversation never puts its text in
+    -- Redis (the second sighting in this worker within SEEN_TTL_S captures; later ones skip).
     local sk = pool_name .. ":" .. fp
-    if seen and seen:get(sk) then
-        return
-    end
     if seen then
-        seen:set(sk, true, SEEN_TTL_S)
+        local n = seen:get(sk)
+        if n == nil then
+            seen:set(sk, 1, SEEN_TTL_S)
+            return
+        elseif n == "done" then
+            return
+        end
+        seen:set(sk, "done", SEEN_TTL_S)
     end
     if endpoint ~= "chat" then
         metrics.incr("kvgate_prefix_capture_skipped_total", { reason = "not-chat" })

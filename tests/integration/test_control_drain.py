@@ -98,11 +98,10 @@ def test_reload_storm_under_streaming_load_fails_nothing(control_fleet, keepaliv
         nonlocal retries
         retries += bool(request.headers.get("x-stainless-retry-count", "0") != "0")
 
-    import httpx
-
+    # the SDK's own HTTP client class (openai 3 ships httpx2, older ones httpx), with a hook
     client = openai.AsyncOpenAI(base_url=fleet.gateway + "/v1", api_key="x", timeout=60,
                                 max_retries=0 if keepalive == 0 else 2,
-                                http_client=httpx.AsyncClient(event_hooks={"request": [on_request]}))
+                                http_client=openai.DefaultAsyncHttpxClient(event_hooks={"request": [on_request]}))
 
     async def worker(i: int) -> None:
         n = 0

@@ -105,8 +105,9 @@ def test_warmup_halves_ttft_of_a_joining_node(control_fleet):
     fleet.wait_reports()
     # traffic with three hot conversation prefixes: the gateway logs and (opt-in) captures them
     tenants = [" ".join(f"t{t}w{i}" for i in range(600)) for t in range(3)]
+    # 6, 5 and 4 turns: with 2 nginx workers, each prefix is seen twice by one of them (captured)
     for t, text in enumerate(tenants):
-        for turn in range(3 - t):
+        for turn in range(6 - t):
             r = requests.post(fleet.gateway + "/v1/chat/completions", timeout=30, headers={"Cache-Control": "no-store"},
                               json={"model": MODEL, "max_tokens": 1, "messages": [
                                   {"role": "system", "content": text}, {"role": "user", "content": f"q{turn}"}]})

@@ -24,12 +24,14 @@ import copy
 import hashlib
 import logging
 import os
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import redis
 import requests
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,6 +47,10 @@ from .weights import Damper, capacities, computed_weight, load_factor, ramp_weig
 
 log = logging.getLogger("kvgate.control")
 
+
+RETRY_FAILED_APPLY_S = 5.0
+"""After a failed apply, the reconciler tries the same config again only after this long
+(operator actions always try at once)."""
 
 LEAKED_COUNT_S = 10.0
 """How long a draining node's engine must be idle, with the gateway's in-flight count for it
@@ -137,6 +143,19 @@ class ControlMetrics:
         self.ticks = Counter("kvgate_control_ticks", "Reconciler rounds.", registry=r)
         self.tick_errors = Counter("kvgate_control_tick_errors", "Reconciler rounds that failed (logged).", registry=r)
 
+    def forget_node(self, node_id: str) -> None:
+        """Drop the series of a node that left the policy."""
+        for metric in (self.weight, self.target, self.inflight, self.report_age):
+            try:
+                metric.remove(node_id)
+            except KeyError:
+                pass
+        for state in st.STATES:
+            try:
+                self.state.remove(node_id, state)
+            except KeyError:
+                pass
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -204,6 +223,14 @@ class ControlPlane:
                 self.apply_policy(policy_text, source)
             if file_digest:
                 self.store.set("startup_file_digest", file_digest)
+            # warm-ups do not survive a restart: a node that was warming starts its warm-up
+            # again (a manual one on another state is just marked interrupted)
+            for rec in self.nodes.values():
+                if rec["state"] == st.WARMING:
+                    self._launch_warmup(rec)
+                elif (rec.get("warmup") or {}).get("status") == "running":
+                    rec["warmup"]["status"] = "interrupted"
+                    self._save(rec)
         self._started_at = time.time()  # agents' missing reports count from here (see _report_grace)
         self._thread = threading.Thread(target=self._loop, name="kvgate-reconciler", daemon=True)
         self._thread.start()
@@ -261,6 +288,7 @@ class ControlPlane:
             if node_id not in wanted:
                 self.nodes.pop(node_id)
                 self.store.delete_node(node_id)
+                self.metrics.forget_node(node_id)
                 self._pending_events.append(("node_removed", f"{node_id}: removed from the policy",
                                              {"node": node_id}))
         now = time.time()
@@ -326,17 +354,19 @@ class ControlPlane:
             # deep copies: _adopt and the weight updates change the records in place (url, base weight)
             old = (self.policy, getattr(self, "_policy_text", None), copy.deepcopy(self.nodes),
                    copy.deepcopy(self.pools))
-            self._adopt(policy, text)
-            for rec in self.nodes.values():
-                node = policy.node(rec["id"])
-                if rec["base_weight"] != node.weight:
-                    rec["base_weight"], rec["target_weight"] = node.weight, None
-            self._update_targets(time.time(), self._reports())
             try:
+                self._adopt(policy, text)
+                for rec in self.nodes.values():
+                    node = policy.node(rec["id"])
+                    if rec["base_weight"] != node.weight:
+                        rec["base_weight"], rec["target_weight"] = node.weight, None
+                self._update_targets(time.time(), self._reports())
                 result = self._apply_runtime(force=True)
-            except ApplyError as exc:
-                self.metrics.policy_applies.labels("failed").inc()
-                self._event("policy_rejected", f"policy from {source} not applied: {str(exc).splitlines()[0]}")
+            except (ApplyError, StoreError) as exc:
+                # nothing of the refused policy stays: memory, Redis records and nginx as before
+                if isinstance(exc, ApplyError):
+                    self.metrics.policy_applies.labels("failed").inc()
+                    self._event("policy_rejected", f"policy from {source} not applied: {str(exc).splitlines()[0]}")
                 self._flush_pending_events(keep=False)
                 self.policy, self._policy_text, self.nodes, self.pools = old
                 for rec in self.nodes.values():
@@ -349,14 +379,22 @@ class ControlPlane:
                 raise
             self._flush_pending_events()
             digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-            latest = self.store.latest_version()
-            changed = not latest or latest["yaml"] != text
-            if changed:
-                self.policy_version = self.store.add_version(text, digest, source, keep=policy.control.versions_kept)
-                self._event("policy_applied", f"policy version {self.policy_version['version']} applied "
-                            f"from {source} (nginx {result})", version=self.policy_version["version"])
-            else:
-                self.policy_version = latest
+            try:
+                latest = self.store.latest_version()
+                changed = not latest or latest["yaml"] != text
+                if changed:
+                    self.policy_version = self.store.add_version(text, digest, source,
+                                                                 keep=policy.control.versions_kept)
+                    self._event("policy_applied", f"policy version {self.policy_version['version']} applied "
+                                f"from {source} (nginx {result})", version=self.policy_version["version"])
+                else:
+                    self.policy_version = latest
+            except StoreError as exc:
+                # nginx already runs the new policy: say so, even though its version is not recorded
+                log.warning("policy applied but not recorded as a version: %s", exc)
+                changed = True
+                self.policy_version = {"version": None, "yaml": text, "digest": digest, "source": source,
+                                       "applied_at": time.time()}
             self.metrics.policy_applies.labels("applied").inc()
             self._write_running_copy(text)
             return {"version": self.policy_version["version"], "result": result, "changed": changed}
@@ -407,12 +445,13 @@ class ControlPlane:
         key = (tuple(sorted(runtime.weights.items())), tuple(sorted(runtime.balancers.items())))
         if not force and self.applied is not None and runtime == self.applied:
             return "unchanged"
-        if not force and key == self._failed_runtime:
-            return "failed"
+        if not force and self._failed_runtime and key == self._failed_runtime[0] \
+                and time.monotonic() < self._failed_runtime[1]:
+            return "failed"  # the same config failed moments ago: retried after a back-off
         try:
             result = self.nginx.apply(self.policy, runtime, start=not self.external_gateway)
-        except (NginxError, ValueError) as exc:
-            self._failed_runtime = key
+        except (NginxError, ValueError, OSError, subprocess.SubprocessError) as exc:
+            self._failed_runtime = (key, time.monotonic() + RETRY_FAILED_APPLY_S)
             self.metrics.reloads.labels("failed").inc()
             self._event("reload_failed", f"gateway config not applied, the running one keeps serving: "
                         f"{str(exc).splitlines()[0]}", error=str(exc)[:2000])
@@ -530,9 +569,9 @@ class ControlPlane:
             self._take_gateway(snap)
             if probes is not None:
                 self._health_round(reports, now, probes, reports_ok)
-            self._ramp_round(reports, now)
             self._drain_round(now, engine_inflight)
-            if reports_ok:
+            if reports_ok:  # ramps, overload and weights decide on the reports: they wait for Redis
+                self._ramp_round(reports, now)
                 self._overload_round(reports, now)
                 self._update_targets(now, reports)
             self._try_apply()
@@ -660,13 +699,18 @@ class ControlPlane:
             if rec is None or self.policy is None:
                 return
             pool = next(p for p in self.policy.pools if p.name == rec["pool"])
-            url = rec["url"]
+            url, redis_url = rec["url"], self.policy.redis.url
 
         def progress(done: int, total: int) -> None:
             rec["warmup"]["progress"] = [done, total]
 
         try:
-            result = run_warmup(url, pool, self.store.r, progress=progress)
+            # hot prefixes are in the gateway's Redis (the policy's), which `--redis-url` may not be
+            log_redis = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+            try:
+                result = run_warmup(url, pool, log_redis, progress=progress)
+            finally:
+                log_redis.close()
         except Exception as exc:  # never leave a node stuck in warming
             log.exception("warm-up of %s failed", node_id)
             result = WarmupResult(errors=[str(exc)])
@@ -743,7 +787,8 @@ class ControlPlane:
             if held:
                 if ramp.get("held") != held:
                     ramp["held"] = held
-                    self._event("ramp_held", f"{rec['id']}: ramp held at {rc.steps[ramp['step']]:.0%}: {held}",
+                    self._event("ramp_held", f"{rec['id']}: ramp held at "
+                                f"{rc.steps[min(ramp['step'], len(rc.steps) - 1)]:.0%}: {held}",
                                 node=rec["id"], pool=rec["pool"])
                     self._save(rec)
                 continue
@@ -759,13 +804,19 @@ class ControlPlane:
 
     # ----------------------------------------------------------------- drain
     def _engine_inflight(self, url: str) -> float | None:
-        """running + waiting from the engine's own ``/metrics`` (fresh), None if unreachable."""
+        """running + waiting from the engine's own ``/metrics`` (scraped now).
+
+        0.0 when the engine refuses connections (a dead engine has nothing in flight); None
+        when it cannot be told (a timeout under load, an engine without vLLM/SGLang metrics):
+        the drain then does not count the node idle."""
         from ..agent.collect import engine as scrape_engine
 
         figures = scrape_engine(url, timeout=2.0)
-        if not figures.get("healthy") or figures.get("running") is None:
-            return None
-        return float(figures.get("running") or 0) + float(figures.get("waiting") or 0)
+        if figures.get("running") is not None:
+            return float(figures.get("running") or 0) + float(figures.get("waiting") or 0)
+        if "connection failed" in str(figures.get("error") or ""):
+            return 0.0
+        return None
 
     def _drain_round(self, now: float, engine_inflight: dict[str, float | None]) -> None:
         """Finish drains: a draining node whose gateway in-flight count (``kvgate_upstream_inflight``)
@@ -777,9 +828,9 @@ class ControlPlane:
             g = self._gateway["inflight"].get(rec["id"], 0.0) if self._gateway.get("ok") else None
             e = engine_inflight[rec["id"]]
             d["inflight_gateway"], d["inflight_engine"] = g, e
-            e = e or 0.0  # an engine that does not answer has nothing in flight
-            self.metrics.inflight.labels(rec["id"]).set(max(g or 0.0, e))
-            idle = g is not None and g <= 0 and e <= 0 and now - d["started"] >= 1.0
+            self.metrics.inflight.labels(rec["id"]).set(max(g or 0.0, e or 0.0))
+            # unknown (None) is never idle: drain.timeout_s ends such a drain
+            idle = g is not None and g <= 0 and e is not None and e <= 0 and now - d["started"] >= 1.0
             if idle:
                 d["zero_checks"] = d.get("zero_checks", 0) + 1
             else:
@@ -802,7 +853,8 @@ class ControlPlane:
             elif now >= d["deadline"]:
                 d["timed_out"] = True
                 self._transition(rec, st.DRAINED, f"drain timeout after {now - d['started']:.0f}s with "
-                                 f"{g if g is not None else '?'} request(s) in flight at the gateway, {e:.0f} at the engine")
+                                 f"{'?' if g is None else f'{g:.0f}'} request(s) in flight at the gateway, "
+                                 f"{'?' if e is None else f'{e:.0f}'} at the engine")
             else:
                 self._save(rec)
 
@@ -930,7 +982,7 @@ class ControlPlane:
             rec["ramp"] = None
             self._save(rec)
             try:
-                self._apply_runtime()
+                self._apply_runtime(force=True)
             except ApplyError as exc:
                 self.nodes[node_id] = previous
                 self._save(previous)

@@ -16,12 +16,12 @@ NonNeg = Field(None, ge=0)
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class EngineFigures(_Open):
     url: str | None = None
-    healthy: bool = False
+    healthy: bool | None = None
     error: str | None = None
     kind: str | None = None
     running: float | None = NonNeg

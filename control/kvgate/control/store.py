@@ -39,18 +39,31 @@ class Store:
         self.url = url
         self.r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                       decode_responses=True, health_check_interval=30)
+        self._down_until = 0.0
+        self._last_error = ""
+
+    BREAKER_S = 2.0
+    """After a failed call, calls fail at once for this long: an unreachable Redis (a network
+    partition, where every call would wait for its timeout) must not stall the control plane."""
 
     def _call(self, what: str, fn, *args, **kwargs):
+        if time.monotonic() < self._down_until:
+            raise StoreError(f"redis {self.url}: {what}: unavailable (last error: {self._last_error})")
         try:
             return fn(*args, **kwargs)
         except redis.RedisError as exc:
+            self._down_until = time.monotonic() + self.BREAKER_S
+            self._last_error = str(exc)
             raise StoreError(f"redis {self.url}: {what}: {exc}") from None
 
     def ping(self) -> bool:
+        """Whether Redis answers now (ignores the breaker)."""
         try:
-            return bool(self.r.ping())
+            ok = bool(self.r.ping())
         except redis.RedisError:
             return False
+        self._down_until = 0.0
+        return ok
 
     # ------------------------------------------------------------- nodes
     def nodes(self) -> dict[str, dict[str, Any]]:
@@ -100,8 +113,9 @@ class Store:
         be stored is returned with ``id: null`` (the caller's action must not fail for it)."""
         event = {"ts": time.time(), "kind": kind, "message": message, "node": node, "pool": pool, "data": data}
         try:
-            event_id = self.r.xadd(PREFIX + "events", {"json": json.dumps(event)}, maxlen=keep, approximate=True)
-        except redis.RedisError:
+            event_id = self._call("write event", self.r.xadd, PREFIX + "events", {"json": json.dumps(event)},
+                                  maxlen=keep, approximate=True)
+        except StoreError:
             event_id = None
         return {"id": event_id, **event}
 

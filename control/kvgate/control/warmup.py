@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -149,34 +150,39 @@ def run_warmup(node_url: str, pool: PoolConfig, r: redis.Redis | None, deadline_
     def remaining() -> float:
         return max(0.1, budget - (time.monotonic() - t_start))
 
+    counts = threading.Lock()
+    skipped = 0
+
     def send(body: dict[str, Any]) -> float | None:
+        nonlocal skipped
+        if time.monotonic() - t_start > budget:
+            with counts:
+                skipped += 1
+            return None
         try:
             t = _ttft(node_url, body, timeout=min(60.0, remaining()))
-            result.sent += 1
+            with counts:
+                result.sent += 1
             return t
         except (requests.RequestException, RuntimeError) as exc:
-            result.failed += 1
-            if len(result.errors) < 5:
-                result.errors.append(str(exc).splitlines()[0][:200])
+            with counts:
+                result.failed += 1
+                if len(result.errors) < 5:
+                    result.errors.append(str(exc).splitlines()[0][:200])
             return None
         finally:
             if progress:
-                progress(result.sent + result.failed, len(bodies) + 1)
+                progress(result.sent + result.failed + skipped, len(bodies) + 1)
 
     before = send(bodies[0])
     result.ttft_before_ms = None if before is None else round(before * 1000, 2)
     rest = bodies[1:]
     if rest:
         with ThreadPoolExecutor(max_workers=cfg.concurrency, thread_name_prefix="warmup") as pool_ex:
-            futures = []
-            for body in rest:
-                if time.monotonic() - t_start > budget:
-                    result.errors.append(f"warm-up budget of {budget:.0f}s spent; "
-                                         f"{len(rest) - len(futures)} prompt(s) skipped")
-                    break
-                futures.append(pool_ex.submit(send, body))
-            for f in futures:
+            for f in [pool_ex.submit(send, body) for body in rest]:
                 f.result()
+    if skipped:
+        result.errors.append(f"warm-up budget of {budget:.0f}s spent; {skipped} prompt(s) skipped")
     if time.monotonic() - t_start <= budget:
         after = send(bodies[0])
         result.ttft_after_ms = None if after is None else round(after * 1000, 2)

@@ -126,9 +126,10 @@ class NodeConfig(_Strict):
     id: str = Field(description="Stable node id: lowercase letters, digits, '-' and '_'.")
     url: str = Field(description="Base URL of the engine's OpenAI-compatible server, e.g. http://10.0.0.5:8000.")
     weight: int = Field(
-        1, ge=1, le=100,
-        description="Base weight: relative share of keys. The control plane multiplies it by the node's "
-        "capacity, load factor and ramp step and renders nginx `weight=` in units of 1/100.",
+        1, ge=1, le=10,
+        description="Base weight: relative share of keys (1-10). The control plane multiplies it by the node's "
+        "capacity, load factor and ramp step and renders nginx `weight=` in units of 1/100; nginx builds "
+        "160 ring points per unit, so the cap keeps the ring small (at most 640k points per node).",
     )
     simulate: bool = Field(
         False, description="`kvgate up` starts a `kvgate sim` engine simulator at this URL (demo/testing)."
