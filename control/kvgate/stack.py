@@ -346,15 +346,7 @@ class Stack:
             if result in ("started", "restarted"):
                 started.append("redis")
             sims = [n for n in policy.nodes() if n.simulate]
-            for node in sims:
-                result = self.start_sim(policy, node)
-                echo(f"sim-{node.id:<5} {result}")
-                if result in ("started", "restarted"):
-                    started.append(f"sim-{node.id}")
-            wanted = {f"sim-{n.id}" for n in sims}
-            for f in sorted(self.pids.glob("sim-*.pid")):
-                if f.stem not in wanted and self._stop_pid(f.stem):
-                    echo(f"{f.stem:<9} stopped (no longer in the policy)")
+            self._per_node("sim", sims, lambda node: self.start_sim(policy, node), echo, started)
             self._wait_healthy(policy, sims, timeout)
             if self._control_keeps(policy):
                 # the running control plane owns nginx: the policy goes through its API
@@ -368,15 +360,7 @@ class Stack:
                 echo(f"control   {result}")
                 if result in ("started", "restarted"):
                     started.append("control")
-            for node in sims:
-                result = self.start_agent(policy, node)
-                echo(f"agent-{node.id:<3} {result}")
-                if result in ("started", "restarted"):
-                    started.append(f"agent-{node.id}")
-            wanted_agents = {f"agent-{n.id}" for n in sims}
-            for f in sorted(self.pids.glob("agent-*.pid")):
-                if f.stem not in wanted_agents and self._stop_pid(f.stem):
-                    echo(f"{f.stem:<9} stopped (no longer in the policy)")
+            self._per_node("agent", sims, lambda node: self.start_agent(policy, node), echo, started)
         except BaseException:
             # Leave nothing half-started behind: stop what this call started (and only that),
             # then bring back what the previous policy ran (parts this call replaced).
@@ -481,6 +465,19 @@ class Stack:
         """Start the node agent of a simulated node (restart it when its arguments changed).
         Returns ``started``, ``running`` or ``restarted``."""
         return self._keep_or_spawn(f"agent-{node.id}", self.agent_command(policy, node))
+
+    def _per_node(self, kind: str, nodes: list[NodeConfig], start, echo, started: list[str]) -> None:
+        """Start (or keep) one ``<kind>-<node>`` process per node with ``start(node)``, note the
+        ones started in ``started``, and stop the ``<kind>-*`` processes of nodes not listed."""
+        for node in nodes:
+            result = start(node)
+            echo(f"{f'{kind}-{node.id}':<9} {result}")
+            if result in ("started", "restarted"):
+                started.append(f"{kind}-{node.id}")
+        wanted = {f"{kind}-{n.id}" for n in nodes}
+        for f in sorted(self.pids.glob(f"{kind}-*.pid")):
+            if f.stem not in wanted and self._stop_pid(f.stem):
+                echo(f"{f.stem:<9} stopped (no longer in the policy)")
 
     def _wait_healthy(self, policy: Policy, sims: list[NodeConfig], timeout: float) -> None:
         deadline = time.monotonic() + timeout
