@@ -194,9 +194,9 @@ function _M.access()
         fp = route_key.prefix_key(req, endpoint, pool.prefix_chars)
     end
     ctx.fp = fp
-    ctx.key_hash = key_hash(key)
-    -- survives the internal redirect to @kvgate_upstream_error (ngx.ctx does not)
-    var.kvgate_log = kind .. " " .. (fp or "-") .. " " .. (ctx.key_hash ~= "" and ctx.key_hash or "-")
+    -- survives the internal redirect to @kvgate_upstream_error (ngx.ctx does not); the
+    -- route key's hash for the log is worked out in the log phase, off the request's path
+    var.kvgate_log = kind .. " " .. (fp or "-")
     capture_prefix(ctx, pool, pool_name, endpoint, fp, body)
 
     local entry = cache.lookup(cfg, ctx, req, endpoint, headers)
@@ -291,7 +291,7 @@ local function log_entry(ctx, node, status, cache_outcome)
         cache = cache_outcome,
         kind = ctx.kind or "",
         fp = ctx.fp or "",
-        key = ctx.key_hash or "",
+        key = key_hash(var.kvgate_route_key),
         ms = floor((tonumber(var.request_time) or 0) * 1000 + 0.5),
     }
     if ctx.cap then
@@ -375,13 +375,12 @@ function _M.upstream_error()
         cache = "BYPASS", route_key_kind = "none",
     })
     -- the request did reach the routing step: it goes to the request log too
-    local kind, fp, kh = match(var.kvgate_log or "", "^(%S+) (%S+) (%S+)$")
+    local kind, fp = match(var.kvgate_log or "", "^(%S+) (%S+)$")
     if pool and kind then
         ctx.log_only = true
         ctx.pool = pool
         ctx.kind = kind
         ctx.fp = fp ~= "-" and fp or nil
-        ctx.key_hash = kh ~= "-" and kh or ""
     end
     ngx.status = status
     ngx.header["Content-Type"] = "application/json"
