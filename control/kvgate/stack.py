@@ -394,9 +394,9 @@ class Stack:
         return runtime_for(policy, records, pools) if records else None
 
     def control_url(self, policy: Policy) -> str:
-        from .control.plane import _local
+        from .control.plane import connect_address
 
-        return f"http://{_local(policy.control.listen)}"
+        return f"http://{connect_address(policy.control.listen)}"
 
     def control_command(self, policy_path: Path, policy: Policy) -> list[str]:
         """The ``kvgate control`` command line of this run directory."""

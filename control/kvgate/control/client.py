@@ -30,18 +30,18 @@ def resolve(run_dir: Path, url: str | None = None, token: str | None = None) -> 
     """
     url = url or os.environ.get("KVGATE_CONTROL_URL")
     if not url:
-        from ..stack import Stack
+        from .plane import connect_address
 
         listen = "127.0.0.1:9090"
         try:
+            from ..stack import Stack
+
             running = Stack(run_dir).load_running_policy()
             if running is not None:
                 listen = running.control.listen
         except Exception:  # an unreadable running policy must not hide the default
             pass
-        from .plane import _local
-
-        url = f"http://{_local(listen)}"
+        url = f"http://{connect_address(listen)}"
     token = token or os.environ.get("KVGATE_TOKEN")
     if not token:
         path = Path(run_dir) / TOKEN_FILE

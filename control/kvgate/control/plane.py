@@ -70,7 +70,7 @@ class Conflict(RuntimeError):
     runs, or draining would leave a pool without a serving node."""
 
 
-def _local(listen: str) -> str:
+def connect_address(listen: str) -> str:
     """An address to connect to for a listen address (``0.0.0.0:8080`` → ``127.0.0.1:8080``)."""
     host, _, port = listen.rpartition(":")
     if host in ("0.0.0.0", "*", ""):
@@ -507,7 +507,7 @@ class ControlPlane:
     def _fetch_gateway(self, listen: str) -> dict[str, Any]:
         """Per-node in-flight, answers and 5xx, and failovers from the gateway's ``/metrics``
         (network I/O: called without the lock)."""
-        url = f"http://{_local(listen)}/metrics"
+        url = f"http://{connect_address(listen)}/metrics"
         snap: dict[str, Any] = {"ok": False, "inflight": {}, "requests": {}, "errors": {}, "failovers": {}}
         try:
             text = self._http.get(url, timeout=2).text
