@@ -86,7 +86,9 @@ def test_engine_killed_under_load(control_fleet):
     moves = [(e["data"]["from_state"], e["data"]["to_state"]) for e in reversed(fleet.events(node=victim, kind="state"))]
     assert moves == [("active", "ejected"), ("ejected", "warming"), ("warming", "ramping"), ("ramping", "active")], moves
     warm_reason = next(e for e in fleet.events(node=victim, kind="state") if e["data"]["to_state"] == "warming")
-    assert "engine restarted" in warm_reason["message"]
+    # the agent's first report of the new engine may come after the recovery: either way the
+    # node goes through warming (an unknown cache counts as empty)
+    assert "engine restarted" in warm_reason["message"] or "cannot tell" in warm_reason["message"]
     assert {k: fleet.route(k) for k in by_node[victim]} == {k: victim for k in by_node[victim]}
 
 
