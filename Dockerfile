@@ -2,6 +2,15 @@
 # control plane, the engine simulators and the node agents); each service picks its command.
 # It installs exactly what `make setup` installs, with the same script, less the test extras.
 #   docker build -t kvgate:local .        (or: docker compose build)
+
+# The admin page's chart library (uPlot, pinned by web/package-lock.json), fetched from npm by
+# scripts/build-web in a Node stage of its own: the final image gets the vendored files, no Node.
+FROM node:20-bookworm-slim AS web
+WORKDIR /opt/kvgate
+COPY web/package.json web/package-lock.json web/
+COPY scripts/build-web scripts/build-web
+RUN bash scripts/build-web
+
 FROM debian:bookworm-slim
 
 LABEL org.opencontainers.image.title="kvgate" \
@@ -15,15 +24,21 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /opt/kvgate
 
 # Debian packages first, in a layer of their own: it is rebuilt only when the script changes,
-# not on every source change. (No `playwright install`: the image runs no browser.)
+# not on every source change. No test extras: the image runs no browser (no Chromium, no
+# `playwright install`).
 COPY scripts/setup scripts/setup
-RUN bash scripts/setup --no-venv \
+RUN bash scripts/setup --no-venv --no-test-extras \
     && rm -rf /var/lib/apt/lists/*
 
-# The source tree, then the venv: an editable install, because the renderer finds nginx/ and
+# The source tree, the vendored chart library from the web stage (.dockerignore keeps the
+# host's copy out), then the venv: an editable install, because the renderer finds nginx/ and
 # lua/ next to the package (see scripts/setup). .dockerignore keeps the host's .venv out.
+# --no-web: the web stage did scripts/build-web; --check fails the build if its files are not
+# those web/package-lock.json pins (instead of scripts/setup installing npm into the image).
 COPY . .
-RUN bash scripts/setup --no-test-extras
+COPY --from=web /opt/kvgate/control/kvgate/control/static/vendor/ control/kvgate/control/static/vendor/
+RUN bash scripts/setup --no-test-extras --no-web \
+    && bash scripts/build-web --check
 
 ENV PATH=/opt/kvgate/.venv/bin:$PATH
 

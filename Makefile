@@ -8,7 +8,7 @@ DEMO_POLICY ?= policies/demo.yaml
 DEMO_REQUESTS ?= 2000
 DEMO_SPEEDUP ?= 10
 
-.PHONY: setup demo test test-unit test-integration up down status clean
+.PHONY: setup demo test screenshots test-unit test-integration up down status clean
 .DEFAULT_GOAL := help
 
 help:
@@ -16,6 +16,7 @@ help:
 	@echo "make demo   start the demo stack and replay $(DEMO_REQUESTS) trace requests (round robin vs chash)"
 	@echo "make test   run the test suite"
 	@echo "make down   stop the demo stack"
+	@echo "make screenshots  retake the admin page's screenshots in docs/images"
 
 # scripts/setup installs the Debian packages (the list is there) and the venv; the Dockerfile
 # runs the same script. It only checks when everything is in place.
@@ -33,6 +34,10 @@ demo: setup
 
 test: setup
 	bash scripts/run-tests
+
+# the admin page's screenshots in docs/images/ (the browser test takes them)
+screenshots: setup
+	KVGATE_SCREENSHOTS='$(CURDIR)/docs/images' bash scripts/run-tests tests/integration/test_admin_browser.py -k operator_flow
 
 up: setup
 	$(KVGATE) up $(DEMO_POLICY)

@@ -30,6 +30,7 @@ local find = string.find
 local match = string.match
 local sub = string.sub
 local floor = math.floor
+local crc32_long = ngx.crc32_long
 
 local _M = {}
 
@@ -281,8 +282,26 @@ function _M.body_filter()
     end
 end
 
+-- tries(addr) -> nodes tried: the addresses in $upstream_addr ("a:1, b:2", " : " between
+-- upstream groups after an internal redirect); 0 without an upstream (cache hit)
+local function tries(addr)
+    if not addr or addr == "" then
+        return 0
+    end
+    local count, init = 1, 1
+    while true do
+        local at = find(addr, "[,:] ", init)
+        if not at then
+            return count
+        end
+        count = count + 1
+        init = at + 2
+    end
+end
+
 -- the request-log entry of a routed request
 local function log_entry(ctx, node, status, cache_outcome)
+    local rk = var.kvgate_route_key
     local e = {
         ts = ngx.req.start_time(),
         pool = ctx.pool,
@@ -291,8 +310,11 @@ local function log_entry(ctx, node, status, cache_outcome)
         cache = cache_outcome,
         kind = ctx.kind or "",
         fp = ctx.fp or "",
-        key = key_hash(var.kvgate_route_key),
+        key = key_hash(rk),
         ms = floor((tonumber(var.request_time) or 0) * 1000 + 0.5),
+        -- the key's place on the chash ring (nginx hashes it with ngx_crc32_long too)
+        point = (rk and rk ~= "") and crc32_long(rk) or nil,
+        tries = tries(var.upstream_addr),
     }
     if ctx.cap then
         if status < 400 then

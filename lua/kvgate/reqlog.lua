@@ -4,6 +4,11 @@
 -- per-worker Lua table, and a ngx.timer.every(INTERVAL_S) started in init_worker sends
 -- the buffer in ONE pipeline per flush:
 --   XADD kvgate:log MAXLEN ~ 100000 * ts .. pool .. node .. status .. cache .. kind .. fp .. key .. ms
+--        .. point .. tries
+--     point: ngx.crc32_long(route key), the key's place on the chash ring, as a decimal
+--            integer ("" without a key); the control plane's kvgate.ring finds its home node
+--     tries: nodes tried ($upstream_addr entries; > 1 = failover, 0 = no upstream/cache hit;
+--            "" for an entry handed over by a worker that predates the field)
 --   ZINCRBY kvgate:hot:<pool>:<minute> <n> <fp>     (per fingerprint; minute = floor(ts / 60))
 --   EXPIRE  kvgate:hot:<pool>:<minute> <hot_window_s + 120>
 --   SET     kvgate:prefix:<pool>:<fp> <json> EX <ttl_s> NX   (opt-in capture, see capture.lua)
@@ -53,7 +58,7 @@ function _M.prefix_key(pool, fp)
 end
 
 --- commands(batch, count, cfg) -> cmds, xadd_positions, set_positions  (PURE)
--- batch[1..count]: entries {ts, pool, node, status, cache, kind, fp, key, ms, cap?, cap_ttl?}
+-- batch[1..count]: entries {ts, pool, node, status, cache, kind, fp, key, ms, point?, tries?, cap?, cap_ttl?}
 -- cfg: the data config (per pool hot_window_s); the hot-set counts of a batch are summed
 -- per (pool, minute, fp), and each hot key gets one EXPIRE per batch.
 function _M.commands(batch, count, cfg)
@@ -65,7 +70,8 @@ function _M.commands(batch, count, cfg)
         cmds[#cmds + 1] = { "xadd", _M.STREAM, "MAXLEN", "~", _M.MAXLEN, "*",
             "ts", format("%.3f", e.ts), "pool", e.pool, "node", e.node or "", "status", tostring(e.status),
             "cache", e.cache or "", "kind", e.kind or "", "fp", fp, "key", e.key or "",
-            "ms", tostring(e.ms) }
+            "ms", tostring(e.ms),
+            "point", e.point and format("%d", e.point) or "", "tries", e.tries and format("%d", e.tries) or "" }
         xadds[#xadds + 1] = #cmds
         if fp ~= "" then
             local hk = _M.hot_key(e.pool, e.ts)

@@ -8,6 +8,7 @@ import hashlib
 import json
 import subprocess
 import time
+import zlib
 from pathlib import Path
 
 import redis as redis_lib
@@ -15,7 +16,7 @@ import requests
 
 from gwfixtures import MODEL, Gateway, RedisServer, _wait, wait_cached
 
-FIELDS = {"ts", "pool", "node", "status", "cache", "kind", "fp", "key", "ms"}
+FIELDS = {"ts", "pool", "node", "status", "cache", "kind", "fp", "key", "ms", "point", "tries"}
 
 
 def _entries(gw: Gateway) -> list[dict[str, str]]:
@@ -86,11 +87,15 @@ def test_entries_fields_fingerprints_and_hot_sets(start_sims, start_redis, start
     assert len(fp) == 64 and int(fp, 16) >= 0
     assert miss["node"] == r_prefix.headers["X-Kvgate-Node"] and miss["status"] == "200"
     assert miss["key"] == _short("p:" + fp)
+    # the key's place on nginx's ring (ngx.crc32_long) and one node tried
+    assert (miss["point"], miss["tries"]) == (str(zlib.crc32(b"p:" + fp.encode())), "1")
     hit = by_kind[("prefix", "HIT")]
     assert (hit["node"], hit["status"], hit["fp"]) == ("cache", "200", fp)
+    assert (hit["point"], hit["tries"]) == (miss["point"], "0")  # no upstream for a hit
     session = by_kind[("session", "BYPASS")]
     assert session["fp"] == fp  # computed although the session header decided the route
     assert session["key"] == _short("s:sess-1")
+    assert (session["point"], session["tries"]) == (str(zlib.crc32(b"s:sess-1")), "1")
     assert session["node"] == r_session.headers["X-Kvgate-Node"]
     user = by_kind[("user", "BYPASS")]
     assert (user["fp"], user["key"], user["node"]) == (fp, _short("u:user-1"), r_user.headers["X-Kvgate-Node"])
@@ -175,6 +180,8 @@ def test_all_nodes_failed_is_logged(start_sims, start_redis, start_gateway) -> N
     (e,) = _wait_entries(gw, 1)
     assert (e["status"], e["node"], e["kind"], e["cache"]) == ("502", "", "session", "BYPASS")
     assert e["key"] == _short("s:s-down") and len(e["fp"]) == 64
+    # the one node was tried (the failed address is in $upstream_addr after the redirect)
+    assert (e["point"], e["tries"]) == (str(zlib.crc32(b"s:s-down")), "1")
 
 
 def _redis_on(port: int, d: Path) -> subprocess.Popen:

@@ -32,7 +32,7 @@ local CFG = { pools = { p = { hot_window_s = 600, nodes = { { id = "n1" }, { id 
 
 local function entry(t)
     local e = { ts = 1800000000.25, pool = "p", node = "n1", status = 200, cache = "MISS", kind = "prefix",
-                fp = FP1, key = "0123456789abcdef", ms = 12 }
+                fp = FP1, key = "0123456789abcdef", ms = 12, point = 4294967295, tries = 2 }
     for k, v in pairs(t or {}) do e[k] = v end
     return e
 end
@@ -53,7 +53,27 @@ H.test("one XADD per entry with every field, MAXLEN ~ 100000", function()
     H.eq(f.fp, FP1)
     H.eq(f.key, "0123456789abcdef")
     H.eq(f.ms, "12")
+    H.eq(f.point, "4294967295") -- crc32 up to 2^32-1, written as an integer
+    H.eq(f.tries, "2")
+    local names = {}
+    for i = 7, #c, 2 do names[#names + 1] = c[i] end
+    H.eq(table.concat(names, " "), "ts pool node status cache kind fp key ms point tries")
     for _, v in ipairs(c) do H.eq(type(v), "string") end
+    -- no key, no upstream (cache hit): point "" and tries 0
+    c = reqlog.commands({ entry({ point = false, tries = 0, node = "cache", cache = "HIT" }) }, 1, CFG)[1]
+    f = {}
+    for i = 7, #c, 2 do f[c[i]] = c[i + 1] end
+    H.eq(f.point, "")
+    H.eq(f.tries, "0")
+    -- an entry spilled by a worker running the previous code has neither field
+    local old = entry()
+    old.point, old.tries = nil, nil
+    c = reqlog.commands({ old }, 1, CFG)[1]
+    f = {}
+    for i = 7, #c, 2 do f[c[i]] = c[i + 1] end
+    H.eq(f.point, "")
+    H.eq(f.tries, "")
+    H.eq(#c, 6 + 2 * 11)
 end)
 
 H.test("hot sets: counts summed per pool/minute/fp, one EXPIRE of hot_window_s + 120 per key", function()

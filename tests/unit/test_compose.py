@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
 SETUP = REPO / "scripts" / "setup"
+VENDOR = "control/kvgate/control/static/vendor"   # the admin page's uPlot (scripts/build-web)
 DEMO = load_policy(REPO / "policies" / "demo.yaml")
 POLICY = load_policy(REPO / "policies" / "compose.yaml")
 IMAGE_ROOT = "/opt/kvgate"           # the Dockerfile's WORKDIR, where the repository is copied
@@ -109,11 +110,27 @@ def kvgate_call(service: str) -> tuple[dict[str, str | bool], str, dict[str, str
     return options(args[1:i]), args[i], options(args[i + 1:])
 
 
-def apt_packages() -> list[str]:
+def apt_packages(name: str = "APT_PACKAGES") -> list[str]:
     text = SETUP.read_text()
-    m = re.search(r"^APT_PACKAGES=\((.*?)\)", text, re.S | re.M)
-    assert m, "scripts/setup defines APT_PACKAGES=(...)"
+    m = re.search(rf"^{name}=\((.*?)\)", text, re.S | re.M)
+    assert m, f"scripts/setup defines {name}=(...)"
     return m.group(1).split()
+
+
+def dockerfile_stages() -> list[list[str]]:
+    """The Dockerfile's instructions (continuation lines joined, comments left out), one list
+    per build stage, each beginning with its FROM."""
+    text = DOCKERFILE.read_text()
+    stages: list[list[str]] = []
+    for ln in re.sub(r"\\\n", " ", text).splitlines():
+        ln = ln.strip()
+        if not ln or ln.startswith("#"):
+            continue
+        if ln.startswith("FROM "):
+            stages.append([])
+        assert stages, f"an instruction before the first FROM: {ln}"
+        stages[-1].append(re.sub(r"\s+", " ", ln))
+    return stages
 
 
 # The programs commands and healthchecks may run, and where the image gets each.
@@ -189,9 +206,7 @@ def test_every_service_builds_the_one_image_from_this_repository() -> None:
 
 
 def test_dockerfile_installs_with_scripts_setup() -> None:
-    text = DOCKERFILE.read_text()
-    instructions = [ln.strip() for ln in re.sub(r"\\\n", " ", text).splitlines()
-                    if ln.strip() and not ln.lstrip().startswith("#")]
+    instructions = dockerfile_stages()[-1]           # the final image
     assert instructions[0] == "FROM debian:bookworm-slim"
     assert "WORKDIR " + IMAGE_ROOT in instructions
     runs = [i for i in instructions if i.startswith("RUN ")]
@@ -202,8 +217,34 @@ def test_dockerfile_installs_with_scripts_setup() -> None:
     assert not any("playwright" in i for i in instructions), "the image runs no browser"
     # COPY . must happen before the venv install (an editable install needs the source tree)
     copy_all = next(n for n, i in enumerate(instructions) if re.fullmatch(r"COPY \. (\.|/opt/kvgate/?)", i))
-    venv_run = next(n for n, i in enumerate(instructions) if "--no-test-extras" in i)
+    venv_run = next(n for n, i in enumerate(instructions) if "--no-test-extras" in i and "--no-venv" not in i)
     assert copy_all < venv_run
+
+
+def test_dockerfile_final_image_gets_vendored_uplot_and_no_browser() -> None:
+    *builders, final = dockerfile_stages()
+    # the web stage: Node, scripts/build-web on the pinned lock file
+    web = next((st for st in builders if re.fullmatch(r"FROM node:\S+ AS web", st[0], re.I)), None)
+    assert web is not None, "a `FROM node:... AS web` stage vendors uPlot (the final image carries no Node)"
+    copied = " ".join(i for i in web if i.startswith("COPY "))
+    for needed in ("web/package.json", "web/package-lock.json", "scripts/build-web"):
+        assert needed in copied and (REPO / needed).is_file(), needed
+    assert any(re.search(r"\bscripts/build-web\s*$", i) for i in web if i.startswith("RUN ")), web
+    # the final stage copies the vendor folder from it, after the source tree, before scripts/setup
+    copy_all = final.index(next(i for i in final if re.fullmatch(r"COPY \. (\.|/opt/kvgate/?)", i)))
+    vendor = [n for n, i in enumerate(final)
+              if re.fullmatch(rf"COPY --from=web {IMAGE_ROOT}/{VENDOR}/? {VENDOR}/?", i)]
+    assert vendor, f"the final image gets {VENDOR} from the web stage"
+    setup_runs = [n for n, i in enumerate(final) if i.startswith("RUN ") and "scripts/setup" in i]
+    assert copy_all < vendor[0] < max(setup_runs)
+    # no test extras anywhere in the final image: no Chromium, no Playwright, no npm of its own
+    assert "chromium" in apt_packages("TEST_APT_PACKAGES") and "chromium" not in apt_packages()
+    for n in setup_runs:
+        assert "--no-test-extras" in final[n], f"scripts/setup without --no-test-extras installs Chromium: {final[n]}"
+    venv_run = final[max(setup_runs)]
+    assert "--no-web" in venv_run and "scripts/build-web --check" in venv_run, \
+        "the image checks the web stage's files instead of fetching them again (with npm)"
+    assert not any(re.search(r"\b(chromium|npm|nodejs|playwright)\b", i) for i in final if i.startswith("RUN "))
 
 
 def test_dockerignore_keeps_what_the_image_needs() -> None:
@@ -219,7 +260,10 @@ def test_dockerignore_keeps_what_the_image_needs() -> None:
                    "lua/kvgate", "nginx/nginx.conf.j2", "policies/compose.yaml"]:
         assert (REPO / needed).exists(), needed
         assert not ignored(needed), f".dockerignore leaves {needed} out of the image"
-    for host_only in [".venv", ".git", ".kvgate", "control/kvgate.egg-info"]:
+    for needed in ["scripts/build-web", "web/package.json", "web/package-lock.json"]:
+        assert not ignored(needed), f".dockerignore leaves {needed} out of the image (build-web --check reads it)"
+    # the vendored files come from the Dockerfile's web stage, never from the host
+    for host_only in [".venv", ".git", ".kvgate", "control/kvgate.egg-info", "web/node_modules", VENDOR]:
         assert ignored(host_only), f".dockerignore should keep the host's {host_only} out of the image"
 
 

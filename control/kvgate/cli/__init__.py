@@ -117,6 +117,7 @@ def up(ctx: click.Context, policy: Path, timeout: float) -> None:
     _progress(f"redis     {pol.redis.url}")
     _progress(f"control   {stack.control_url(pol)}/api/v1   (admin token: `kvgate token`; "
               f"nodes: `kvgate nodes`)")
+    _progress(f"admin     {stack.control_url(pol)}/admin/   (web page; sign in with the token `kvgate token` prints)")
     _progress(f"run dir   {stack.run_dir}  (logs in {stack.logs})")
 
 

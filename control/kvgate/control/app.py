@@ -8,6 +8,8 @@ unless the policy sets ``control.public_reads``. ``GET /healthz`` is always publ
 =======  =====================================  ==================================================
 method   path                                   what
 =======  =====================================  ==================================================
+GET      /admin/                                the admin web page (sign in with the token; see
+                                               kvgate.control.admin)
 GET      /healthz                               liveness (no auth)
 GET      /metrics                               ``kvgate_control_*`` (Prometheus text)
 GET      /api/v1/nodes                          every node: state, weights, last report
@@ -32,9 +34,10 @@ import hmac
 import re
 from typing import Any
 
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, jsonify, redirect, render_template, request
 
 from ..policy import PolicyError
+from .admin import init_admin
 from .plane import ApplyError, Conflict, ControlPlane, NotFound
 from .report import ReportError, check_report
 from .states import InvalidTransition
@@ -75,8 +78,8 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
 
     @app.before_request
     def _auth():
-        if request.path == "/healthz":
-            return None
+        if request.path in ("/", "/healthz", "/admin", "/favicon.ico") or request.path.startswith("/admin/"):
+            return None  # the admin page signs in on its own (session cookie or Bearer)
         public = plane.policy is not None and plane.policy.control.public_reads
         if request.method in ("GET", "HEAD") and public:
             return None
@@ -122,6 +125,9 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
 
     @app.errorhandler(404)
     def _no_route(_exc):
+        if request.path.startswith("/admin"):
+            return render_template("admin/error.html", title="Not found",
+                                   message=f"There is no page at {request.path}."), 404
         return _error(404, f"no such endpoint: {request.method} {request.path}", "not_found_error", "not_found")
 
     @app.errorhandler(405)
@@ -132,6 +138,14 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
     @app.errorhandler(413)
     def _too_large(_exc):
         return _error(413, "request body too large", "invalid_request_error", "too_large")
+
+    @app.get("/")
+    def root():
+        return redirect("/admin/", 302)
+
+    @app.get("/favicon.ico")
+    def favicon():
+        return Response(status=204)
 
     @app.get("/healthz")
     def healthz():
@@ -214,4 +228,5 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
         return jsonify({"events": plane.store.events(limit=limit, node=request.args.get("node") or None,
                                                      kind=request.args.get("kind") or None, before=before)})
 
+    init_admin(app, plane, token)
     return app

@@ -41,6 +41,7 @@ from ..policy import PolicyError, parse_policy_text
 from ..policy.model import Policy
 from ..render import WEIGHT_SCALE, Runtime
 from . import states as st
+from .history import History
 from .store import Store, StoreError
 from .warmup import WarmupResult, run_warmup
 from .weights import Damper, capacities, computed_weight, load_factor, ramp_weight
@@ -192,6 +193,8 @@ class ControlPlane:
         self._warmups: dict[str, threading.Thread] = {}
         self._http = requests.Session()
         self._pending_events: list[tuple[str, str, dict[str, Any]]] = []
+        self.history = History()
+        """The last 15 minutes of each node's figures, for the admin page (memory only)."""
 
     # ================================================================ lifecycle
     def start(self, policy_text: str | None, source: str) -> None:
@@ -289,6 +292,7 @@ class ControlPlane:
                 self.nodes.pop(node_id)
                 self.store.delete_node(node_id)
                 self.metrics.forget_node(node_id)
+                self.history.forget(node_id)
                 self._pending_events.append(("node_removed", f"{node_id}: removed from the policy",
                                              {"node": node_id}))
         now = time.time()
@@ -315,9 +319,12 @@ class ControlPlane:
         self._policy_text = text
 
     def validate(self, text: str) -> Policy:
-        """Parse and check a policy text, including ``nginx -t`` of its render. Raises PolicyError
-        (field paths) or ApplyError (nginx refused the rendered config)."""
+        """Parse and check a policy text, including ``nginx -t`` of its render and the fields a
+        running control plane cannot change (its address, its Redis). Raises PolicyError (field
+        paths) or ApplyError (nginx refused the rendered config)."""
         policy = parse_policy_text(text, "policy")
+        if self.policy is not None:
+            self._check_restart_fields(policy)
         try:
             self.nginx.test(self._render_files(policy, self.applied))
         except (NginxError, ValueError) as exc:
@@ -415,6 +422,28 @@ class ControlPlane:
         if issues:
             raise PolicyError("policy", issues)
 
+    def invalidate_cache(self, source: str) -> dict[str, Any]:
+        """Invalidate the whole response cache at once: apply the running policy with
+        ``cache.namespace_version`` + 1 (a new policy version; the operator's comments are kept).
+        Every cache key carries the version (``kvgate:resp:v<N>:...``, lua/kvgate/cache_key.lua),
+        so old entries are never read again and expire by their TTL.
+
+        Returns ``{"old": n, "new": n + 1, "version": policy version, "result": nginx result}``.
+        Raises PolicyError, ApplyError (nothing changed), ValueError (no policy yet)."""
+        from ..policy.edit import bump_namespace_version
+
+        with self.lock:
+            text = getattr(self, "_policy_text", None)
+            if self.policy is None or text is None:
+                raise ValueError("no policy is applied yet")
+            old = self.policy.cache.namespace_version
+            new_text, new = bump_namespace_version(text)
+            result = self.apply_policy(new_text, source)
+            self._event("cache_invalidated", f"response cache invalidated by {source}: namespace version "
+                        f"{old} → {new} (policy version {result['version']})", old=old, new=new,
+                        version=result["version"])
+            return {"old": old, "new": new, **result}
+
     def rollback(self, version: int) -> dict[str, Any]:
         """Apply a stored version again (as a new version). Raises NotFound, PolicyError, ApplyError."""
         for v in self.store.versions():
@@ -481,6 +510,7 @@ class ControlPlane:
                 raise NotFound(f"no node {node_id!r} in the policy")
             now = time.time()
             self.store.put_report(node_id, report, now)
+            self.history.add_report(node_id, now, report)
             self.metrics.reports.labels(node_id).inc()
             if not rec.get("has_agent"):
                 rec["has_agent"] = True
@@ -532,6 +562,7 @@ class ControlPlane:
     def _take_gateway(self, snap: dict[str, Any]) -> None:
         """Adopt a gateway snapshot; failover counter increases become events."""
         prev = self._gateway
+        self.history.add_gateway(time.time(), snap)
         if snap["ok"] and prev.get("ok"):
             for pool, value in snap["failovers"].items():
                 delta = value - prev["failovers"].get(pool, 0)

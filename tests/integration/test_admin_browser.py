@@ -1,0 +1,243 @@
+"""The admin page in a real browser: Debian's Chromium (``/usr/bin/chromium``, apt package
+``chromium``) driven headless by Playwright for Python, against a real stack of 4 simulated
+nodes under live traffic (``kvgate up``: Redis, simulators, nginx, control plane, agents).
+
+Acceptance of issue 4: sign in; the 4 nodes with live figures (refreshed without a page
+reload); drain one and watch it reach ``drained``; warm and undrain it; a policy with an error
+shows the error at its field; fixed, it shows the diff, applies, and the event appears. The
+same drain also works with JavaScript off (plain forms). Screenshots of Fleet and Policy go
+to ``$KVGATE_SCREENSHOTS`` (``make screenshots`` sets ``docs/images``), else to a temp folder.
+
+Never ``playwright install``: the browser is Debian's (PLATFORM.md §9).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import requests
+
+from ctlfixtures import MODEL, Fleet
+
+pytestmark = [pytest.mark.integration, pytest.mark.browser]
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+
+SYSTEM = ("You are a support assistant for an online store. Answer briefly, cite the order number, never invent "
+          "policies, and escalate refunds above 500 dollars to a human. ") * 6
+
+
+class Traffic(threading.Thread):
+    """Conversations through the gateway while the test runs: each turn resends the whole
+    conversation (what chat clients do), so the engines' prefix caches get hits."""
+
+    def __init__(self, gateway: str, conversations: int = 10):
+        super().__init__(daemon=True, name="traffic")
+        self.gateway, self.conversations = gateway, conversations
+        self.stop = threading.Event()
+        self.sent = self.failed = 0
+
+    def run(self) -> None:
+        history: dict[int, list[dict[str, str]]] = {i: [] for i in range(self.conversations)}
+        s = requests.Session()
+        turn = 0
+        while not self.stop.is_set():
+            conv = turn % self.conversations
+            msgs = history[conv]
+            msgs.append({"role": "user", "content": f"conversation {conv} question {len(msgs)}: where is my order?"})
+            try:
+                r = s.post(self.gateway + "/v1/chat/completions", timeout=30,
+                           headers={"X-Session-Id": f"browser-{conv}", "Cache-Control": "no-store"},
+                           json={"model": MODEL, "max_tokens": 4,
+                                 "messages": [{"role": "system", "content": SYSTEM}, *msgs]})
+                self.sent += 1
+                if r.status_code != 200:
+                    self.failed += 1
+                else:
+                    msgs.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+            except requests.RequestException:
+                self.failed += 1
+            if len(msgs) > 16:
+                msgs.clear()
+            turn += 1
+            self.stop.wait(0.05)
+
+
+@pytest.fixture(scope="module")
+def cf(control_fleet_module: Callable[..., Fleet]) -> Iterator[Fleet]:
+    fleet = control_fleet_module(n=4)
+    fleet.wait_reports(timeout=60)
+    yield fleet
+
+
+@pytest.fixture(scope="module")
+def traffic(cf: Fleet) -> Iterator[Traffic]:
+    t = Traffic(cf.gateway)
+    t.start()
+    yield t
+    t.stop.set()
+    t.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: `make setup` installs Debian's chromium package (browser tests)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = Path(os.environ.get("KVGATE_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def sign_in(page, f: Fleet, path: str = "/admin/") -> None:
+    page.goto(f.control + path)
+    assert "/admin/login" in page.url, page.url  # no session: the sign-in page
+    page.get_by_label("Admin token").fill(f.token)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(f"{f.control}{path}")
+
+
+def test_operator_flow_in_chromium(cf: Fleet, traffic: Traffic, browser, shots: Path):
+    from playwright.sync_api import expect
+
+    context = browser.new_context(viewport={"width": 1440, "height": 1000})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    sign_in(page, cf)
+
+    # ------------------------------------------------ 4 nodes, live figures
+    rows = page.locator("#fleet tbody tr")
+    expect(rows).to_have_count(4)
+    assert [rows.nth(i).get_attribute("data-node") for i in range(4)] == ["n1", "n2", "n3", "n4"]
+    expect(page.locator("#refresh-status")).to_contain_text("Live: updated", timeout=15000)
+    page.evaluate("window.__kvgateNoReload = 1")
+    first = {n: page.locator(f'#fleet tr[data-node="{n}"] [data-field="req_s"]').inner_text() for n in ("n1", "n2")}
+    stamp = page.locator("#refresh-status").inner_text()
+    # the figures move with the traffic, refreshed in place (the marker survives: no page load)
+    page.wait_for_function(
+        """([first, stamp]) => {
+             const cell = n => document.querySelector(`#fleet tr[data-node="${n}"] [data-field="req_s"]`).textContent;
+             return document.querySelector('#refresh-status').textContent !== stamp &&
+                    (cell('n1') !== first.n1 || cell('n2') !== first.n2);
+           }""", arg=[first, stamp], timeout=30000)
+    assert page.evaluate("window.__kvgateNoReload") == 1
+    for n in ("n1", "n2", "n3", "n4"):
+        row = page.locator(f'#fleet tr[data-node="{n}"]')
+        expect(row.locator('[data-field="state"]')).to_have_text("active")
+        expect(row.locator('[data-field="gpu_mem"]')).to_have_text("no GPU")  # no NVML here
+        age = row.locator('[data-field="report_age"]').inner_text()
+        assert age.endswith(" s"), age
+        assert float(age.split()[0]) < 10, age
+    # prefix-cache hit ratio per node: the conversations hit their node's cache
+    page.wait_for_function(
+        """() => [...document.querySelectorAll('#fleet [data-field="prefix_hit"]')]
+                 .some(td => parseFloat(td.textContent) > 0)""", timeout=30000)
+    # the charts are drawn by uPlot (a <canvas> per chart)
+    page.wait_for_function("() => document.querySelectorAll('.chart canvas').length === 8", timeout=20000)
+
+    # ------------------------------------------------ drain n2 → drained
+    row = page.locator('#fleet tr[data-node="n2"]')
+    row.get_by_role("link", name="Drain n2", exact=True).click()
+    dialog = page.locator("#confirm-dialog")
+    expect(dialog).to_be_visible()
+    expect(dialog).to_contain_text("Drain n2?")
+    page.locator("#confirm-ok").click()
+    expect(row.locator('[data-field="state"]')).to_have_text("drained", timeout=60000)
+    expect(page.locator("#toasts")).to_contain_text("n2: drained after")
+    expect(row.get_by_role("link", name="Undrain n2", exact=True)).not_to_have_class("disabled")
+    assert cf.node("n2")["state"] == "drained"
+
+    # ------------------------------------------------ warm n2 (stays drained)
+    row.get_by_role("link", name="Warm n2", exact=True).click()
+    expect(dialog).to_contain_text("Warm n2 now?")
+    page.locator("#confirm-ok").click()
+    expect(page.locator("#toasts")).to_contain_text("n2: warm-up ok", timeout=60000)
+    expect(row.locator('[data-field="progress"]')).to_contain_text("last warm-up ok", timeout=10000)
+    expect(row.locator('[data-field="state"]')).to_have_text("drained")
+
+    # ------------------------------------------------ undrain n2 → warming → ramping → active
+    row.get_by_role("link", name="Undrain n2", exact=True).click()
+    page.locator("#confirm-ok").click()
+    expect(row.locator('[data-field="state"]')).to_have_text("active", timeout=60000)
+    expect(page.locator("#toasts")).to_contain_text("n2: active after")
+    page.wait_for_timeout(2500)  # a few more refreshes, so the screenshot has every figure
+    page.screenshot(path=str(shots / "admin-fleet.png"), full_page=True)
+
+    # ------------------------------------------------ policy: inline error, fix, diff, apply, event
+    page.get_by_role("link", name="Policy", exact=True).click()
+    editor = page.get_by_label("Policy YAML")
+    running = editor.input_value()
+    version = cf.api("GET", "/api/v1/policy").json()["version"]
+    assert "balancer: chash" in running
+    editor.fill(running.replace("balancer: chash", "balancer: ketama"))
+    page.get_by_role("button", name="Check").click()
+    error = page.locator('.field-error[data-path="pools[0].balancer"]')
+    expect(error).to_be_visible()
+    expect(error).to_contain_text("pools[0].balancer")
+    # the error sits in the listing right at the bad line
+    bad_line = page.locator("#annotated li.bad")
+    expect(bad_line).to_have_count(1)
+    expect(bad_line.locator("code").first).to_contain_text("balancer: ketama")
+    assert page.locator("#policy-apply").count() == 0
+    page.screenshot(path=str(shots / "admin-policy-error.png"), full_page=True)
+
+    fixed = running.replace("drain: {timeout_s: 120}", "drain: {timeout_s: 90}")
+    assert fixed != running
+    page.get_by_label("Policy YAML").fill(fixed)
+    page.get_by_role("button", name="Check").click()
+    diff = page.locator("#diff")
+    expect(diff).to_contain_text("-drain: {timeout_s: 120}")
+    expect(diff).to_contain_text("+drain: {timeout_s: 90}")
+    page.screenshot(path=str(shots / "admin-policy.png"), full_page=True)
+    page.get_by_role("button", name="Apply").click()
+    expect(page.locator(".flash-ok")).to_contain_text(f"Policy version {version + 1} applied")
+    expect(page.locator("#policy-events")).to_contain_text(f"policy version {version + 1} applied from admin page")
+    assert cf.api("GET", "/api/v1/policy").json()["yaml"] == fixed
+    page.get_by_role("link", name="Events", exact=True).click()
+    page.get_by_label("Kind").select_option("policy_applied")
+    page.get_by_role("button", name="Filter").click()
+    expect(page.locator("#events tbody tr").first).to_contain_text(f"policy version {version + 1} applied")
+
+    assert not errors, errors
+    assert traffic.sent > 50 and traffic.failed == 0, (traffic.sent, traffic.failed)
+    context.close()
+    assert cf.api("PUT", "/api/v1/policy", data=running).status_code == 200
+
+
+def test_drain_and_undrain_without_javascript(cf: Fleet, traffic: Traffic, browser):
+    """Progressive enhancement: with JavaScript off the same buttons lead to a confirmation page
+    whose plain form does the action."""
+    from playwright.sync_api import expect
+
+    context = browser.new_context(java_script_enabled=False, viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    sign_in(page, cf)
+    page.get_by_role("link", name="Drain n3", exact=True).click()
+    expect(page.locator("h1")).to_have_text("Drain n3")
+    page.get_by_role("button", name="Drain n3").click()
+    expect(page.locator(".flash-ok")).to_contain_text("n3: drain started")
+    cf.wait_state("n3", "drained", timeout=60)
+    page.reload()
+    expect(page.locator('#fleet tr[data-node="n3"] [data-field="state"]')).to_have_text("drained")
+    page.get_by_role("link", name="Undrain n3", exact=True).click()
+    page.get_by_role("button", name="Undrain n3").click()
+    expect(page.locator(".flash-ok")).to_contain_text("n3: undrain started")
+    cf.wait_state("n3", "active", timeout=60)
+    context.close()
+    assert traffic.failed == 0

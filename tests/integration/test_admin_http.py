@@ -1,0 +1,293 @@
+"""The admin page over plain HTTP (no JavaScript, no browser) against a real stack: sign-in,
+session cookie flags, CSRF, Bearer access for scripts, every action as a plain form, the
+policy editor's inline errors and diff, stale edits, cache invalidation, rollback, events.
+
+The browser test (test_admin_browser.py) drives the same page in Chromium."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Callable, Iterator
+
+import pytest
+import requests
+
+from ctlfixtures import MODEL, Fleet
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cf(control_fleet_module: Callable[..., Fleet]) -> Iterator[Fleet]:
+    fleet = control_fleet_module(n=4)
+    fleet.wait_reports(timeout=60)
+    yield fleet
+
+
+def csrf_of(html: str) -> str:
+    m = re.search(r'name="csrf_token" value="([^"]+)"', html) or re.search(r'name="csrf-token" content="([^"]+)"', html)
+    assert m, "no CSRF token in the page"
+    return m.group(1)
+
+
+def sign_in(f: Fleet) -> tuple[requests.Session, str]:
+    """A browser-like session signed in through the form; returns it and its CSRF token."""
+    s = requests.Session()
+    page = s.get(f.control + "/admin/login", timeout=10)
+    assert page.status_code == 200
+    r = s.post(f.control + "/admin/login", data={"token": f.token, "csrf_token": csrf_of(page.text), "next": "/admin/"},
+               allow_redirects=False, timeout=10)
+    assert r.status_code == 303 and r.headers["Location"].endswith("/admin/"), (r.status_code, r.text[:300])
+    fleet_page = s.get(f.control + "/admin/", timeout=30)
+    assert fleet_page.status_code == 200
+    return s, csrf_of(fleet_page.text)
+
+
+def wait_until(pred: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def traffic(f: Fleet, n: int = 24) -> None:
+    for i in range(n):
+        r = requests.post(f.gateway + "/v1/chat/completions", timeout=30,
+                          headers={"X-Session-Id": f"conv-{i % 8}", "Cache-Control": "no-store"},
+                          json={"model": MODEL, "max_tokens": 2,
+                                "messages": [{"role": "user", "content": f"turn {i} of conversation {i % 8}"}]})
+        assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------- sign-in
+def test_unauthenticated_requests_go_to_sign_in(cf: Fleet):
+    for path in ("/admin/", "/admin/pools", "/admin/cache", "/admin/policy", "/admin/events?node=n1"):
+        r = requests.get(cf.control + path, allow_redirects=False, timeout=10)
+        assert r.status_code == 303, path
+        assert "/admin/login?next=" in r.headers["Location"], r.headers["Location"]
+    # a POST without a session changes nothing and goes to sign-in too
+    r = requests.post(cf.control + "/admin/nodes/n1/drain", allow_redirects=False, timeout=10)
+    assert r.status_code == 303 and "/admin/login" in r.headers["Location"]
+    assert cf.node("n1")["state"] == "active"
+    # the live-refresh endpoint answers 401 JSON (the page's script then goes to sign-in)
+    r = requests.get(cf.control + "/admin/fleet.json", timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "not_signed_in"
+    # "/" leads to the page; the JSON API still wants its token
+    assert requests.get(cf.control + "/", allow_redirects=False, timeout=10).headers["Location"].endswith("/admin/")
+    assert requests.get(cf.control + "/api/v1/nodes", timeout=10).status_code == 401
+
+
+def test_sign_in_sets_a_strict_httponly_cookie_and_refuses_a_wrong_token(cf: Fleet):
+    s = requests.Session()
+    page = s.get(cf.control + "/admin/login", timeout=10)
+    bad = s.post(cf.control + "/admin/login", data={"token": "wrong", "csrf_token": csrf_of(page.text)},
+                 allow_redirects=False, timeout=10)
+    assert bad.status_code == 401 and "not the admin token" in bad.text
+    assert s.get(cf.control + "/admin/", allow_redirects=False, timeout=10).status_code == 303
+    # the sign-in form itself carries a CSRF token: without it, 400
+    no_csrf = requests.post(cf.control + "/admin/login", data={"token": cf.token}, allow_redirects=False, timeout=10)
+    assert no_csrf.status_code == 400
+    ok = s.post(cf.control + "/admin/login", data={"token": cf.token, "csrf_token": csrf_of(page.text),
+                                                  "next": "https://evil.example/steal"},
+                allow_redirects=False, timeout=10)
+    assert ok.status_code == 303
+    assert ok.headers["Location"].endswith("/admin/"), "next= must not lead off the admin page"
+    cookie = ok.headers["Set-Cookie"]
+    assert "kvgate_admin=" in cookie and "HttpOnly" in cookie and "SameSite=Strict" in cookie, cookie
+    page = s.get(cf.control + "/admin/", timeout=30)
+    assert page.status_code == 200 and 'data-node="n4"' in page.text
+    for header, value in (("X-Frame-Options", "DENY"), ("Cache-Control", "no-store")):
+        assert page.headers[header] == value
+    assert "frame-ancestors 'none'" in page.headers["Content-Security-Policy"]
+    # sign out ends the session
+    out = s.post(cf.control + "/admin/logout", data={"csrf_token": csrf_of(page.text)}, allow_redirects=False,
+                 timeout=10)
+    assert out.status_code == 303
+    assert s.get(cf.control + "/admin/", allow_redirects=False, timeout=10).status_code == 303
+
+
+def test_post_without_valid_csrf_is_400_and_changes_nothing(cf: Fleet):
+    s, token = sign_in(cf)
+    events_before = len(cf.events())
+    version_before = cf.api("GET", "/api/v1/policy").json()["version"]
+    for data in ({}, {"csrf_token": "forged"}, {"csrf_token": token + "x"}):
+        r = s.post(cf.control + "/admin/nodes/n1/drain", data=data, allow_redirects=False, timeout=10)
+        assert r.status_code == 400, (data, r.status_code)
+        assert "CSRF" in r.text and "Nothing was changed" in r.text
+        r = s.post(cf.control + "/admin/cache/invalidate", data=data, allow_redirects=False, timeout=10)
+        assert r.status_code == 400
+        r = s.post(cf.control + "/admin/policy/apply", data={**data, "yaml": cf.render(extra="drain: {timeout_s: 5}")},
+                   allow_redirects=False, timeout=10)
+        assert r.status_code == 400
+    # a token of another session does not work either
+    _, other = sign_in(cf)
+    assert s.post(cf.control + "/admin/nodes/n1/drain", data={"csrf_token": other}, allow_redirects=False,
+                  timeout=10).status_code == 400
+    assert cf.node("n1")["state"] == "active"
+    assert cf.api("GET", "/api/v1/policy").json()["version"] == version_before
+    assert len(cf.events()) == events_before
+
+
+def test_bearer_token_needs_no_cookie_or_csrf_and_gets_json(cf: Fleet):
+    auth = {"Authorization": f"Bearer {cf.token}"}
+    r = requests.get(cf.control + "/admin/fleet.json", headers=auth, timeout=30)
+    assert r.status_code == 200
+    rows = {row["id"]: row for row in r.json()["rows"]}
+    assert sorted(rows) == ["n1", "n2", "n3", "n4"]
+    assert rows["n1"]["cells"]["gpu_mem"] == "no GPU"  # no NVML on these machines
+    r = requests.post(cf.control + "/admin/nodes/n9/warm", headers=auth, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = requests.post(cf.control + "/admin/nodes/n1/drain", headers={"Authorization": "Bearer wrong"}, timeout=10)
+    assert r.status_code == 401
+    assert cf.node("n1")["state"] == "active"
+
+
+# ---------------------------------------------------------------- actions
+def test_drain_warm_undrain_as_plain_forms(cf: Fleet):
+    s, token = sign_in(cf)
+    confirm = s.get(cf.control + "/admin/nodes/n2/drain", timeout=10)
+    assert confirm.status_code == 200 and "Only its keys move" in confirm.text
+    r = s.post(cf.control + "/admin/nodes/n2/drain", data={"csrf_token": csrf_of(confirm.text)},
+               allow_redirects=False, timeout=30)
+    assert r.status_code == 303 and r.headers["Location"].endswith("/admin/")
+    page = s.get(cf.control + "/admin/", timeout=30).text
+    assert "n2: drain started" in page  # the flash message
+    cf.wait_state("n2", "drained", timeout=60)
+    assert "drain requested by admin page" in cf.node("n2")["reason"] or any(
+        "admin page" in e["message"] for e in cf.events(node="n2", kind="state"))
+    # undrain is refused from active with a clear message (a flash, no change)
+    r = s.post(cf.control + "/admin/nodes/n1/undrain", data={"csrf_token": token}, timeout=30)
+    assert "cannot undrain" in r.text and cf.node("n1")["state"] == "active"
+    r = s.post(cf.control + "/admin/nodes/n2/warm", data={"csrf_token": token}, timeout=30)
+    assert r.status_code == 200 and "n2: warm-up started" in r.text
+    wait_until(lambda: (cf.node("n2").get("warmup") or {}).get("status") in ("ok", "partial"), "the warm-up")
+    assert cf.node("n2")["state"] == "drained"
+    r = s.post(cf.control + "/admin/nodes/n2/undrain", data={"csrf_token": token}, timeout=30)
+    assert "n2: undrain started" in r.text
+    cf.wait_state("n2", "active", timeout=60)
+    # the same action through the page's JSON path (what admin.js does)
+    r = s.post(cf.control + "/admin/nodes/n3/drain", data={"csrf_token": token},
+               headers={"Accept": "application/json", "X-CSRFToken": token}, timeout=30)
+    assert r.status_code == 202 and r.json()["target"] == "drained"
+    cf.wait_state("n3", "drained", timeout=60)
+    r = s.post(cf.control + "/admin/nodes/n3/undrain", headers={"Accept": "application/json", "X-CSRFToken": token},
+               timeout=30)
+    assert r.status_code == 202
+    cf.wait_state("n3", "active", timeout=60)
+    r = s.post(cf.control + "/admin/nodes/n3/explode", data={"csrf_token": token}, timeout=10)
+    assert r.status_code == 404
+
+
+# ---------------------------------------------------------------- pages
+def test_pools_cache_and_fleet_show_the_request_log(cf: Fleet):
+    traffic(cf)
+    s, _ = sign_in(cf)
+
+    def pools_page():
+        text = s.get(cf.control + "/admin/pools", timeout=30).text
+        return text if "24 of 24 routed requests" in text or "of 24 routed" in text else None
+
+    text = wait_until(pools_page, "the request log to reach the Pools page", timeout=30)
+    # chash with every node up: every key on its home node
+    assert re.search(r"<b>100\.0%</b>\s*<small>(\d+) of \1 routed", text), text[text.find("Affinity"):][:400]
+    assert text.count("<code>") >= 8  # 8 conversations = 8 hot route keys
+    cache = s.get(cf.control + "/admin/cache", timeout=30).text
+    assert 'data-field="BYPASS">100.0%' in cache  # Cache-Control: no-store
+    rows = s.get(cf.control + "/admin/fleet.json", timeout=30).json()["rows"]
+    assert all(r["cells"]["report_age"].endswith("s") for r in rows), [r["cells"]["report_age"] for r in rows]
+    hist = s.get(cf.control + "/admin/history.json", timeout=30).json()
+    assert set(hist["nodes"]) == {"n1", "n2", "n3", "n4"}
+    assert all(len(v["t"]) >= 2 and len(v["waiting"]) == len(v["t"]) for v in hist["nodes"].values())
+
+
+def test_cache_invalidate_bumps_the_namespace_version_and_keeps_comments(cf: Fleet):
+    s, token = sign_in(cf)
+    before = cf.api("GET", "/api/v1/policy").json()
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0, "messages": [{"role": "user", "content": "cache me"}]}
+    assert requests.post(cf.gateway + "/v1/chat/completions", json=body, timeout=30).headers["X-Kvgate-Cache"] == "MISS"
+    wait_until(lambda: requests.post(cf.gateway + "/v1/chat/completions", json=body, timeout=30)
+               .headers["X-Kvgate-Cache"] == "HIT", "a cache HIT")
+    # the page reuses its reading of Redis for a few seconds
+    wait_until(lambda: re.search(r'data-field="entries">\s*(≈ )?[1-9]', s.get(cf.control + "/admin/cache",
+                                                                            timeout=30).text), "a cache entry")
+    r = s.post(cf.control + "/admin/cache/invalidate", data={"csrf_token": token}, timeout=60)
+    assert r.status_code == 200 and "namespace version 1 → 2" in r.text
+    after = cf.api("GET", "/api/v1/policy").json()
+    assert after["version"] == before["version"] + 1
+    assert "namespace_version: 2" in after["yaml"]
+    # the policy is otherwise the same text
+    assert after["yaml"].replace("namespace_version: 2", "") .strip() != ""
+    assert requests.post(cf.gateway + "/v1/chat/completions", json=body, timeout=30).headers["X-Kvgate-Cache"] == "MISS"
+    assert any(e["kind"] == "cache_invalidated" for e in cf.events(kind="cache"))
+    # put the running policy back (the module's other tests diff against the fixture's text)
+    assert cf.api("PUT", "/api/v1/policy", data=before["yaml"]).status_code == 200
+
+
+def test_policy_editor_inline_error_diff_apply_stale_and_rollback(cf: Fleet):
+    s, token = sign_in(cf)
+    running = cf.api("GET", "/api/v1/policy").json()
+    page = s.get(cf.control + "/admin/policy", timeout=30).text
+    assert "Routing policy" in page and "balancer: chash" in page
+    bad = running["yaml"].replace("balancer: chash", "balancer: ketama")
+    r = s.post(cf.control + "/admin/policy/check", data={"csrf_token": token, "yaml": bad,
+                                                        "base_version": running["version"]}, timeout=30)
+    assert r.status_code == 422
+    # the error sits in the line of the bad field
+    m = re.search(r'<li value="(\d+)" id="line-\d+" class="bad" data-line="\d+"><code>([^<]*)</code>\s*<div class="field-error"[^>]*'
+                  r'data-path="pools\[0\]\.balancer"', r.text)
+    assert m and "balancer: ketama" in m.group(2), r.text[r.text.find("yaml-lines"):][:800]
+    assert 'id="policy-apply"' not in r.text  # nothing to apply
+    # a YAML syntax error points at its line too
+    r = s.post(cf.control + "/admin/policy/check", data={"csrf_token": token, "yaml": running["yaml"] + "\n  : [\n"},
+               timeout=30)
+    assert r.status_code == 422 and "YAML syntax error" in r.text and 'class="bad"' in r.text
+    good = running["yaml"].replace("drain: {timeout_s: 120}", "drain: {timeout_s: 90}")
+    assert good != running["yaml"]
+    r = s.post(cf.control + "/admin/policy/check", data={"csrf_token": token, "yaml": good,
+                                                        "base_version": running["version"]}, timeout=30)
+    assert r.status_code == 200 and 'id="policy-apply"' in r.text
+    assert '<span class="diff-del">-drain: {timeout_s: 120}</span>' in r.text
+    assert '<span class="diff-add">+drain: {timeout_s: 90}</span>' in r.text
+    # an edit based on an older version is not applied blindly
+    r = s.post(cf.control + "/admin/policy/apply", data={"csrf_token": token, "yaml": good,
+                                                        "base_version": running["version"] - 1}, timeout=30)
+    assert r.status_code == 409 and "changed to version" in r.text
+    assert cf.api("GET", "/api/v1/policy").json()["version"] == running["version"]
+    r = s.post(cf.control + "/admin/policy/apply", data={"csrf_token": token, "yaml": good,
+                                                        "base_version": running["version"]}, timeout=60)
+    assert r.status_code == 200 and f"Policy version {running['version'] + 1} applied" in r.text
+    assert "policy_applied" in r.text  # the recent policy events on the page
+    assert cf.api("GET", "/api/v1/policy").json()["yaml"] == good
+    # an invalid policy sent straight to apply is refused with the inline error; nothing changes
+    r = s.post(cf.control + "/admin/policy/apply", data={"csrf_token": token, "yaml": bad,
+                                                        "base_version": running["version"] + 1}, timeout=30)
+    assert r.status_code == 422 and 'data-path="pools[0].balancer"' in r.text
+    assert cf.api("GET", "/api/v1/policy").json()["version"] == running["version"] + 1
+    # roll back to the version before, as a plain form
+    v = s.get(cf.control + f"/admin/policy/versions/{running['version']}", timeout=10)
+    assert v.status_code == 200 and "+drain: {timeout_s: 120}" in v.text
+    r = s.post(cf.control + f"/admin/policy/versions/{running['version']}/rollback", data={"csrf_token": token},
+               timeout=60)
+    assert r.status_code == 200 and f"Rolled back to version {running['version']}" in r.text
+    assert cf.api("GET", "/api/v1/policy").json()["yaml"] == running["yaml"]
+
+
+def test_events_page_filters_by_node(cf: Fleet):
+    s, _ = sign_in(cf)
+    page = s.get(cf.control + "/admin/events?node=n2", timeout=30).text
+    nodes = re.findall(r'<tr class="kind-[a-z_]+" data-kind="[a-z_]+" data-node="([^"]*)"', page)
+    assert nodes and set(nodes) == {"n2"}, nodes[:20]
+    page = s.get(cf.control + "/admin/events?kind=policy_applied", timeout=30).text
+    kinds = re.findall(r'data-kind="([a-z_]+)"', page)
+    assert kinds and set(kinds) == {"policy_applied"}
+    # newest first
+    times = [float(t) for t in re.findall(r'<time datetime="([\d.]+)"', s.get(cf.control + "/admin/events",
+                                                                               timeout=30).text)]
+    assert times == sorted(times, reverse=True) and len(times) > 5
+    assert s.get(cf.control + "/admin/events?before=not-an-id", timeout=30).status_code == 400
+    assert s.get(cf.control + "/admin/nope", timeout=10).status_code == 404
+
