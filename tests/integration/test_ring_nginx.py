@@ -1,7 +1,8 @@
 """kvgate.ring against nginx itself: for every route key, the Python ring names the node the
 real gateway (``hash $kvgate_route_key consistent``) sends it to, with unequal weights, with
 a ``down`` node, at the ring's edges and where two servers' points have the same hash; and
-the request log's ``point``/``tries`` fields feed kvgate.control.traffic.traffic_view."""
+the request log's ``point``/``tries`` fields feed kvgate.control.traffic.traffic_view (and its
+incremental TrafficTracker)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from gwfixtures import (
     _wait,
     make_policy,
 )
-from kvgate.control.traffic import traffic_view
+from kvgate.control.traffic import TrafficTracker, traffic_view
 from kvgate.render import WEIGHT_SCALE, Runtime
 from kvgate.ring import Ring, key_point, pool_ring, server_points
 
@@ -237,13 +238,21 @@ def test_failover_is_logged_and_leaves_home(weighted: Gateway) -> None:
     assert len(homed_dead) >= 10
     http = requests.Session()
     t0 = time.time()
-    for s in sessions:
+    tracker = TrafficTracker(window_s=300)  # the admin page's incremental reader, fed as the log grows
+    for i, s in enumerate(sessions):
         assert _served_by(gw, s, http) == ring.route(key_point("s:" + s), skip=[dead.node_id])
+        if i == len(sessions) // 2:
+            _wait_log(gw, i + 1)
+            tracker.update(gw.redis.client(), gw.policy, {})
     entries = _wait_log(gw, len(sessions))
     tries = [int(e["tries"]) for e in entries]
     # each worker tries the dead node once (max_fails=1), then skips it for fail_timeout
     assert 1 <= tries.count(2) <= gw.policy.gateway.worker_processes
     assert set(tries) <= {1, 2}
+    now = time.time()
+    (view,) = traffic_view(gw.redis.client(), gw.policy, {}, window_s=300, now=now)
+    tracker.update(gw.redis.client(), gw.policy, {}, now=now)
+    assert tracker.view(gw.policy, now=now) == [view]
     (view,) = traffic_view(gw.redis.client(), gw.policy, {}, window_s=time.time() - t0 + 5)
     assert view["failovers"] == tries.count(2)
     assert view["routed"] == len(sessions)

@@ -16,7 +16,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvgate.control.traffic import cache_stats, home_weights, traffic_view
+from kvgate.control import traffic
+from kvgate.control.traffic import TrafficTracker, cache_stats, home_weights, traffic_view
 from kvgate.policy.loader import parse_policy
 from kvgate.ring import key_point, pool_ring
 
@@ -247,3 +248,358 @@ def test_without_scripting_the_plain_command_is_used(r: redis.Redis, redis_serve
         assert got == expected and got["a"]["at_home"] == 3 and got["a"]["failovers"] == 1
     finally:
         r.acl_deluser("noscript")
+
+
+# ---------------------------------------------------------------- TrafficTracker
+POLICY_B_GONE = parse_policy({"version": 1, "pools": [
+    {"name": "a", "models": ["m"], "nodes": [  # a3 left, a4 joined
+        {"id": "a1", "url": "http://127.0.0.1:9001"},
+        {"id": "a2", "url": "http://127.0.0.1:9002", "weight": 2},
+        {"id": "a4", "url": "http://127.0.0.1:9004"},
+    ]},
+    {"name": "c", "models": ["mc"], "nodes": [{"id": "c1", "url": "http://127.0.0.1:9201"}]},
+]})
+
+
+def mixed(r: redis.Redis, tag: str, ts: float | None = None) -> None:
+    """11 entries of every sort (8 of pool a): at home, failed over, HITs, a 502, an
+    old-format entry, another pool, a pool not in the policy, one that started before the
+    window."""
+    k1, p1, h1 = session(tag + "1")
+    k2, p2, h2 = session(tag + "2")
+    add(r, node=h1, key=k1, point=p1, n=3, ts=ts)
+    add(r, node="cache", cache="HIT", key=k1, point=p1, tries=0, ts=ts)
+    add(r, node=other_than(h2), key=k2, point=p2, tries=2, cache="MISS", n=2, ts=ts)
+    add(r, node="", status=502, key=k2, point=p2, tries=2, ts=ts)
+    add(r, node=h1, key=k1, cache="MISS", old=True, ts=ts)
+    add(r, pool="b", node="b1", kind="prefix", ts=ts)
+    add(r, pool="gone", node="x", key=k1, point=p1, ts=ts)
+    add(r, node=h1, key=k1, point=p1, ts=time.time() - 2000)
+
+
+class PageSpy:
+    """Records the pages read (``traffic._page`` calls): (first, last, count, reverse, rows)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, str, int, bool, int]] = []
+        real = traffic._page
+
+        def spy(r, first, last, count=traffic.PAGE, reverse=True):
+            rows = real(r, first, last, count, reverse)
+            self.calls.append((first, last, count, reverse, len(rows)))
+            return rows
+
+        monkeypatch.setattr(traffic, "_page", spy)
+
+    def rows(self) -> int:
+        n = sum(c[4] for c in self.calls)
+        self.calls.clear()
+        return n
+
+
+def tracked(t: TrafficTracker, policy=POLICY, **kw) -> dict[str, dict]:
+    return {v["pool"]: v for v in t.view(policy, **kw)}
+
+
+def test_tracker_reads_only_new_entries_and_matches_traffic_view(r: redis.Redis, monkeypatch) -> None:
+    spy = PageSpy(monkeypatch)
+    t = TrafficTracker()
+    t.update(r, POLICY, BASE)  # no stream yet: nothing read, the next update backfills
+    assert spy.calls == [] and t.stats()["cursor"] is None and tracked(t)["a"]["requests"] == 0
+    mixed(r, "x")
+    t.update(r, POLICY, BASE)
+    assert [c[3] for c in spy.calls] == [True]  # the backfill: newest first
+    assert spy.rows() == 11
+    assert tracked(t) == view(r)
+    spy.calls.clear()  # (traffic_view's pages)
+    cursor = t.stats()["cursor"]
+    mixed(r, "y")
+    k, p, h = session("x1")
+    add(r, node=h, key=k, point=p, n=4)
+    t.update(r, POLICY, BASE)
+    # oldest first, from the id after the last one read: only the 15 new entries
+    assert [(c[0], c[3]) for c in spy.calls] == [(traffic._after(traffic._sid(cursor)), False)]
+    assert spy.rows() == 15
+    assert tracked(t) == view(r)
+    spy.calls.clear()
+    a = tracked(t)["a"]
+    assert a["requests"] == 2 * 8 + 4 and a["hot_keys"][0]["key"] == k and a["hot_keys"][0]["requests"] == 8
+    t.update(r, POLICY, BASE)  # nothing new: nothing read
+    assert spy.calls == [] and tracked(t) == view(r)
+    s = t.stats()
+    assert (s["updates"], s["entries_read"], s["lagging"], s["gaps"]) == (4, 26, False, 0)
+
+
+def test_tracker_steps_are_capped_and_catch_up(r: redis.Redis, redis_server: int, monkeypatch) -> None:
+    monkeypatch.setattr(traffic, "PAGE", 4)
+    t = TrafficTracker(max_step=10)
+    mixed(r, "s")
+    t.update(r, POLICY, BASE)
+    for i in range(25):
+        k, p, h = session(f"lag{i}")
+        add(r, node=h, key=k, point=p)
+    t.update(r, POLICY, BASE)
+    assert t.lagging and t.stats()["entries_read"] == 11 + 10
+    assert tracked(t)["a"]["requests"] == 8 + 10
+    t.update(r, POLICY, BASE)
+    assert t.lagging and tracked(t)["a"]["requests"] == 8 + 20
+    t.update(r, POLICY, BASE)
+    assert not t.lagging and tracked(t) == view(r)
+    # a client that decodes, and no scripting: the same figures
+    text_client = redis.Redis(port=redis_server, decode_responses=True)
+    t2 = TrafficTracker(max_step=10)
+    t2.update(text_client, POLICY, BASE)
+    assert tracked(t2) == view(r)
+
+
+def test_tracker_without_scripting(r: redis.Redis, redis_server: int) -> None:
+    r.acl_setuser("noscript2", enabled=True, nopass=True, commands=["+@all", "-eval", "-evalsha"], keys=["*"])
+    try:
+        limited = redis.Redis(port=redis_server, username="noscript2", password="x")
+        t = TrafficTracker()
+        mixed(r, "n")
+        t.update(limited, POLICY, BASE)
+        mixed(r, "m")
+        t.update(limited, POLICY, BASE)
+        assert tracked(t) == view(r) and tracked(t)["a"]["requests"] == 16
+    finally:
+        r.acl_deluser("noscript2")
+
+
+def test_tracker_window_expiry_by_bucket(r: redis.Redis) -> None:
+    t0 = (int(time.time()) // 60) * 60  # a bucket boundary (15 s) in the last minute
+    k1, p1, h1 = session("e1")
+    k2, p2, h2 = session("e2")
+    add(r, node=h1, key=k1, point=p1, ts=t0 - 50, n=2)  # bucket [t0 - 60, t0 - 45)
+    add(r, node=h2, key=k2, point=p2, ts=t0 - 5)  # bucket [t0 - 15, t0)
+    add(r, node=h2, key=k1, point=p1, ts=t0 - 70)  # before the window when read
+    t = TrafficTracker(window_s=60, bucket_s=15)
+    t.update(r, POLICY, BASE, now=t0)
+    assert tracked(t, now=t0)["a"]["requests"] == 3
+    # the edge moves by whole buckets: t0 - 50 is kept while part of its bucket is in the window
+    assert tracked(t, now=t0 + 14)["a"]["requests"] == 3
+    a = tracked(t, now=t0 + 15)["a"]
+    assert a["requests"] == 1 and [k["key"] for k in a["hot_keys"]] == [k2]
+    assert t.stats()["buckets"] == 1 and t.stats()["window_keys"] == 1
+    # an update later on drops what expired too, and takes only entries in its window
+    add(r, node=h1, key=k1, point=p1, ts=t0 + 50)
+    add(r, node=h1, key=k1, point=p1, ts=t0 - 10)  # logged late, before this update's window
+    t.update(r, POLICY, BASE, now=t0 + 60)
+    a = tracked(t, now=t0 + 60)["a"]
+    assert a["requests"] == 1 and a["hot_keys"][0]["key"] == k1
+    assert t.stats()["buckets"] == 1 and t.stats()["window_keys"] == 1
+    assert tracked(t, now=t0 + 120)["a"] == {**a, "requests": 0, "cache": {"HIT": 0, "MISS": 0, "BYPASS": 0},
+                                             "cache_ratio": {"HIT": None, "MISS": None, "BYPASS": None},
+                                             "routed": 0, "at_home": 0, "affinity_ratio": None, "hot_keys": []}
+    assert t.stats()["buckets"] == 0 and t.stats()["window_keys"] == 0
+
+
+def test_tracker_truncated_backfill(r: redis.Redis) -> None:
+    now = time.time()
+    for i in range(30):
+        add(r, node="a1", ts=now - 30 + i, point=5)
+    t = TrafficTracker(max_backfill=20)
+    t.update(r, POLICY, BASE, now=now + 1)
+    a = tracked(t, now=now + 1)["a"]
+    assert a["truncated"] is True and a["requests"] == 20 and 10 < a["covered_s"] < 30
+    assert a == view(r, max_entries=20, now=now + 1)["a"]
+    add(r, node="a1", ts=now + 2, point=5)
+    t.update(r, POLICY, BASE, now=now + 3)
+    assert tracked(t, now=now + 3)["a"]["requests"] == 21
+    # once the window starts after the oldest entry taken, nothing is missing any more
+    later = tracked(t, now=now + 900)["a"]
+    assert later["truncated"] is False and later["covered_s"] == 900
+
+
+def test_tracker_stream_trimmed_deleted_or_replaced(r: redis.Redis) -> None:
+    t = TrafficTracker()
+    mixed(r, "t")
+    t.update(r, POLICY, BASE)
+    before = tracked(t)
+    r.xtrim("kvgate:log", maxlen=0)  # entries trimmed before they were read
+    k, p, h = session("t9")
+    add(r, node="cache", cache="HIT", tries=0, key=k, point=p)
+    r.xtrim("kvgate:log", maxlen=0)
+    add(r, node=h, key=k, point=p, n=2)
+    t.update(r, POLICY, BASE)
+    a = tracked(t)["a"]
+    assert t.gaps == 1 and a["requests"] == before["a"]["requests"] + 2 and a["cache"]["HIT"] == 1
+    r.delete("kvgate:log")  # the stream is gone: nothing to read, the figures stay
+    t.update(r, POLICY, BASE)
+    assert tracked(t)["a"] == a and t.gaps == 1
+    add(r, node=h, key=k, point=p)  # back, with newer ids: read from its start
+    t.update(r, POLICY, BASE)
+    assert tracked(t)["a"]["requests"] == a["requests"] + 1 and t.gaps == 2
+    # replaced by a stream whose ids are older than the last one read (a restored
+    # snapshot): what it holds counts as read, reading goes on after its last id
+    r.delete("kvgate:log")
+    old_id = int((time.time() - 60) * 1000)
+    r.xadd("kvgate:log", {"ts": f"{time.time() - 60:.3f}", "pool": "a", "node": h, "status": "200",
+                          "cache": "BYPASS", "kind": "session", "key": k, "point": str(p), "tries": "1"},
+           id=f"{old_id}-0")
+    t.update(r, POLICY, BASE)
+    assert tracked(t)["a"]["requests"] == a["requests"] + 1 and t.gaps == 3
+    assert t.stats()["cursor"] == f"{old_id}-0"
+    add(r, node=h, key=k, point=p, n=2)
+    t.update(r, POLICY, BASE)
+    assert tracked(t)["a"]["requests"] == a["requests"] + 3 and t.gaps == 3
+    # trimmed to nothing (the stream stays, empty): one gap, then up to date
+    add(r, node=h, key=k, point=p, n=2)
+    r.xtrim("kvgate:log", maxlen=0)
+    t.update(r, POLICY, BASE)
+    assert t.gaps == 4 and not t.lagging and t.stats()["cursor"] == r.xinfo_stream("kvgate:log")[
+        "last-generated-id"].decode()
+    t.update(r, POLICY, BASE)
+    assert t.gaps == 4 and tracked(t)["a"]["requests"] == a["requests"] + 3
+
+
+def test_tracker_key_cap_folds_the_tail(r: redis.Redis) -> None:
+    ts = (int(time.time()) // 60) * 60 + 1  # one bucket
+    keys = [session(f"cap{i}") for i in range(8)]
+    for i, (k, p, h) in enumerate(keys):
+        add(r, node=h, key=k, point=p, n=8 - i, ts=ts)  # 8, 7, ... 1 requests
+    t = TrafficTracker(max_keys=5)
+    t.update(r, POLICY, BASE)
+    a = tracked(t)["a"]
+    assert [k["requests"] for k in a["hot_keys"]] == [8, 7, 6, 5, 4]
+    assert a["hot_keys"][0]["share"] == 8 / 36 and a["requests"] == a["routed"] == a["at_home"] == 36
+    assert t.stats()["folded"] == 3 + 2 + 1 and t.stats()["bucket_keys"] == t.stats()["window_keys"] == 5
+    # a new key with more requests than the 5th enters; the 5th is folded (its 4 requests stay in the totals)
+    k, p, h = session("cap-new")
+    add(r, node=h, key=k, point=p, n=10, ts=ts)
+    t.update(r, POLICY, BASE)
+    a = tracked(t)["a"]
+    assert [x["requests"] for x in a["hot_keys"]] == [10, 8, 7, 6, 5] and a["hot_keys"][0]["key"] == k
+    assert a["hot_keys"][0]["share"] == 10 / 46 and t.stats()["folded"] == 10
+    assert t.stats()["bucket_keys"] == t.stats()["window_keys"] == 5
+
+
+def test_tracker_policy_change(r: redis.Redis) -> None:
+    t = TrafficTracker()
+    mixed(r, "p")
+    t.update(r, POLICY, BASE)
+    before = tracked(t)
+    assert before["b"]["requests"] == 1
+    k, p, _ = session("p1")
+    ring2 = pool_ring(POLICY_B_GONE, "a", {})
+    add(r, node=ring2.home(p), key=k, point=p, n=2)
+    add(r, pool="b", node="b1", kind="prefix")  # b left the policy: ignored
+    add(r, pool="c", node="c1", key=k, point=p)
+    t.update(r, POLICY_B_GONE, {})
+    after = tracked(t, policy=POLICY_B_GONE)
+    assert list(after) == ["a", "c"]
+    a = after["a"]
+    # a keeps its buckets: the old entries were judged on the old ring, the new on the new one
+    assert a["requests"] == before["a"]["requests"] + 2
+    assert a["at_home"] == before["a"]["at_home"] + 2 and a["routed"] == before["a"]["routed"] + 2
+    assert after["c"]["requests"] == 1 and after["c"]["at_home"] == 1
+    assert tracked(t)["b"]["requests"] == 0  # b's buckets were dropped
+
+
+def test_tracker_home_is_judged_at_the_update(r: redis.Redis) -> None:
+    """Entries keep the judgement of the update that read them: a later weight change moves
+    keys' homes for the entries read after it only."""
+    heavy = {**BASE, "a1": 1000}
+    ring_heavy = pool_ring(POLICY, "a", heavy)
+    moved = [s for s in (session(f"h{i}") for i in range(200)) if ring_heavy.home(s[1]) != s[2]][:5]
+    assert len(moved) == 5
+    t = TrafficTracker()
+    for k, p, h in moved:
+        add(r, node=h, key=k, point=p)
+    t.update(r, POLICY, BASE)
+    for k, p, _ in moved:
+        add(r, node=ring_heavy.home(p), key=k, point=p)
+    t.update(r, POLICY, heavy)
+    a = tracked(t)["a"]
+    assert (a["routed"], a["at_home"]) == (10, 10)
+    assert view(r, weights=heavy)["a"]["at_home"] == 5  # traffic_view judges all on the weights given
+    assert {x["home"] for x in a["hot_keys"]} == {ring_heavy.home(p) for _, p, _ in moved}  # the newest
+
+
+def test_tracker_failed_update_changes_nothing(r: redis.Redis, monkeypatch) -> None:
+    t = TrafficTracker()
+    mixed(r, "f")
+    t.update(r, POLICY, BASE)
+    before, stats = tracked(t), t.stats()
+    dead = redis.Redis(port=_free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    with pytest.raises(redis.RedisError):
+        t.update(dead, POLICY, BASE)
+    assert tracked(t) == before and t.stats() == stats
+    # Redis failing after a page was read and aggregated: still nothing changes
+    monkeypatch.setattr(traffic, "PAGE", 3)
+    real = traffic._page
+    calls = []
+
+    def failing(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise redis.ConnectionError("Connection reset by peer")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(traffic, "_page", failing)
+    mixed(r, "g")
+    with pytest.raises(redis.ConnectionError):
+        t.update(r, POLICY, BASE)
+    assert tracked(t) == before and t.stats() == stats
+    t.update(r, POLICY, BASE)  # the same entries again, once
+    assert tracked(t) == view(r) and t.stats()["entries_read"] == 22
+    # a first update that fails leaves the tracker to backfill next time
+    t2 = TrafficTracker()
+    with pytest.raises(redis.RedisError):
+        t2.update(dead, POLICY, BASE)
+    assert t2.stats()["cursor"] is None and t2.stats()["updates"] == 0
+
+
+def test_tracker_starts_over_after_a_pause_longer_than_the_window(r: redis.Redis, monkeypatch) -> None:
+    now = time.time()
+    k, p, h = session("w9")
+    for i in range(3):  # logged 5 minutes ago (the stream ids say so too)
+        r.xadd("kvgate:log", {"ts": f"{now - 300:.3f}", "pool": "a", "node": h, "status": "200", "cache": "BYPASS",
+                              "kind": "session", "key": k, "point": str(p), "tries": "1"},
+               id=f"{int((now - 300) * 1000)}-{i}")
+    t = TrafficTracker(window_s=60)
+    t.update(r, POLICY, BASE, now=now - 290)
+    assert tracked(t, now=now - 290)["a"]["requests"] == 3
+    spy = PageSpy(monkeypatch)
+    add(r, node=h, key=k, point=p, ts=now)
+    t.update(r, POLICY, BASE, now=now + 1)
+    # the last id read is older than the window: a backfill (newest first), not the backlog
+    assert [c[3] for c in spy.calls] == [True]
+    assert tracked(t, now=now + 1)["a"]["requests"] == 1 and t.stats()["buckets"] == 1
+
+
+def test_tracker_concurrent_updates_count_once(r: redis.Redis, redis_server: int) -> None:
+    import threading
+
+    t = TrafficTracker()
+    mixed(r, "c")
+    t.update(r, POLICY, BASE)
+    for i in range(300):
+        k, p, h = session(f"c{i % 7}")
+        add(r, node=h, key=k, point=p)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            t.update(redis.Redis(port=redis_server), POLICY, BASE)
+            t.view(POLICY)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not errors
+    assert tracked(t) == view(r) and t.stats()["entries_read"] == 11 + 300
+
+
+def test_a_field_holding_the_packing_separators_is_emptied(r: redis.Redis) -> None:
+    k, p, h = session("sep")
+    add(r, node=h, key=k, point=p, kind="x\x1fy\x1ez")
+    add(r, node=h, key=k, point=p, kind="session")
+    a = view(r)["a"]
+    assert (a["requests"], a["at_home"]) == (2, 2) and a["hot_keys"][0]["kind"] == "session"
+    add(r, node=h, key=k, point=p, kind="\x1e")  # newest: its kind is emptied
+    assert view(r)["a"]["hot_keys"][0]["kind"] == "" and view(r)["a"]["requests"] == 3

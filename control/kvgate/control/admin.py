@@ -283,7 +283,14 @@ def diff_lines(old: str, new: str, old_name: str, new_name: str) -> list[dict[st
 
 # ------------------------------------------------------------------ the page
 class _TrafficCache:
-    """The request-log analysis (kvgate.control.traffic), reused for TRAFFIC_CACHE_S."""
+    """The request-log figures of the Pools/Cache pages and the Fleet page's pool line.
+
+    A :class:`~kvgate.control.traffic.TrafficTracker` reads the gateway's request log
+    incrementally: the first refresh reads the last 15 minutes, later ones only what was
+    logged since (a Fleet page polls every 2 s). The figures are reused for TRAFFIC_CACHE_S;
+    the cache's entry count (a SCAN of Redis) only for the Cache page, for CACHE_STATS_S."""
+
+    CACHE_STATS_S = 10.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -291,6 +298,14 @@ class _TrafficCache:
         self._key: Any = None
         self._value: Any = None
         self._clients: dict[str, redis.Redis] = {}
+        self._tracker: Any = None
+        self._tracker_url: str | None = None
+        self._stats: tuple[float, Any, Any] = (0.0, None, None)
+
+    def reset(self) -> None:
+        """Refresh on the next call (after an action that changes the figures)."""
+        self._key = None
+        self._stats = (0.0, None, None)
 
     def redis_for(self, url: str) -> redis.Redis:
         client = self._clients.get(url)
@@ -299,25 +314,40 @@ class _TrafficCache:
             self._clients[url] = client
         return client
 
-    def get(self, plane: ControlPlane) -> dict[str, Any]:
-        """``{"pools": [...] | None, "cache": {...} | None, "error": str | None}``."""
-        from .traffic import cache_stats, traffic_view
+    def get(self, plane: ControlPlane, cache_stats: bool = False) -> dict[str, Any]:
+        """``{"pools": {name: figures} | None, "cache": {...} | None, "error": str | None}``
+        (``cache`` only with ``cache_stats``). Never raises for Redis: ``error`` says it."""
+        from .traffic import TrafficTracker
+        from .traffic import cache_stats as read_cache_stats
 
         policy = plane.policy
         assert policy is not None
         weights = dict(plane.applied.weights) if plane.applied else {}
         key = (id(policy), tuple(sorted(weights.items())))
         with self._lock:
-            if self._key == key and time.monotonic() - self._at < TRAFFIC_CACHE_S:
-                return self._value
-            r = self.redis_for(policy.redis.url)
-            value: dict[str, Any] = {"pools": None, "cache": None, "error": None}
-            try:
-                value["pools"] = {p["pool"]: p for p in traffic_view(r, policy, weights, window_s=TRAFFIC_WINDOW_S)}
-                value["cache"] = cache_stats(r, policy.cache.namespace_version)
-            except redis.RedisError as exc:
-                value["error"] = f"the gateway's Redis ({policy.redis.url}) cannot be read: {exc}"
-            self._key, self._at, self._value = key, time.monotonic(), value
+            if not (self._key == key and time.monotonic() - self._at < TRAFFIC_CACHE_S):
+                r = self.redis_for(policy.redis.url)
+                if self._tracker is None or self._tracker_url != policy.redis.url:
+                    self._tracker = TrafficTracker(window_s=TRAFFIC_WINDOW_S)  # its first update backfills
+                    self._tracker_url = policy.redis.url
+                value: dict[str, Any] = {"pools": None, "cache": None, "error": None}
+                try:
+                    self._tracker.update(r, policy, weights)
+                    value["pools"] = {p["pool"]: p for p in self._tracker.view(policy)}
+                except redis.RedisError as exc:
+                    value["error"] = f"the gateway's Redis ({policy.redis.url}) cannot be read: {exc}"
+                self._key, self._at, self._value = key, time.monotonic(), value
+            value = dict(self._value)
+            if cache_stats and not value["error"]:
+                at, version, stats = self._stats
+                if version != policy.cache.namespace_version or time.monotonic() - at >= self.CACHE_STATS_S:
+                    try:
+                        stats = read_cache_stats(self.redis_for(policy.redis.url), policy.cache.namespace_version)
+                        self._stats = (time.monotonic(), policy.cache.namespace_version, stats)
+                    except redis.RedisError as exc:
+                        value["error"] = f"the gateway's Redis ({policy.redis.url}) cannot be read: {exc}"
+                        stats = None
+                value["cache"] = stats
             return value
 
 
@@ -531,7 +561,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
     # ----------------------------------------------------------------- cache
     @bp.get("/cache")
     def cache():
-        t = traffic.get(plane)
+        t = traffic.get(plane, cache_stats=True)
         assert plane.policy is not None
         return render_template("admin/cache.html", traffic=t.get("pools") or {}, stats=t.get("cache"),
                                traffic_error=t.get("error"), cache_cfg=plane.policy.cache,
@@ -558,7 +588,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
             return done(f"not applied; the running config keeps serving: {exc}", 500, "error", back=back)
         except (StoreError, ValueError) as exc:
             return done(str(exc), 503, "error", back=back)
-        traffic._key = None
+        traffic.reset()
         return done(f"Response cache invalidated: namespace version {out['old']} → {out['new']} "
                     f"(policy version {out['version']}).", 200, json_extra=out, back=back)
 
@@ -648,7 +678,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
             return done(str(exc), 503, "error", back=url_for("admin.policy"))
         msg = (f"Policy version {out['version']} applied (gateway {out['result']})." if out["changed"]
                else "The policy is the same as the running one: nothing to apply.")
-        traffic._key = None
+        traffic.reset()
         return done(msg, 200, json_extra=out, back=url_for("admin.policy"))
 
     @bp.get("/policy/versions/<int:version>")

@@ -137,6 +137,9 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
 
     @app.errorhandler(413)
     def _too_large(_exc):
+        if request.path.startswith("/admin") and "text/html" in request.headers.get("Accept", ""):
+            return render_template("admin/error.html", title="Too large",
+                                   message="The form is larger than the control plane accepts (4 MiB)."), 413
         return _error(413, "request body too large", "invalid_request_error", "too_large")
 
     @app.get("/")
