@@ -57,6 +57,7 @@ import bisect
 import functools
 import struct
 import zlib
+from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -118,23 +119,32 @@ def server_points(server: str, weight: int) -> list[int]:
     return out
 
 
-@functools.lru_cache(maxsize=64)
-def _build(servers: tuple[tuple[str, int], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(sorted distinct hashes, index into ``servers`` of each point's owner); cached, since
-    4 servers at ``weight=100`` are 64,000 CRCs."""
-    points: list[tuple[int, int]] = []
+@functools.lru_cache(maxsize=8)
+def _build(servers: tuple[tuple[str, int], ...]) -> tuple[array, array]:
+    """(sorted distinct hashes, index into ``servers`` of each point's owner) as compact
+    arrays (4 bytes + 2 bytes a point: 4 servers at ``weight=1000`` are 640,000 points, ~4 MB).
+
+    Cached for the last few weight sets only: every ramp step or weight change is a new
+    ring, and an unbounded cache of them would grow without end."""
+    if len(servers) > 0xFFFF:
+        raise ValueError("more than 65535 servers in one upstream")
+    packed: list[int] = []
     for idx, (server, weight) in enumerate(servers):
-        points.extend((h, idx) for h in server_points(server, weight))
-    # stable: for equal hashes the point generated first (earlier server) stays first
-    points.sort(key=lambda p: p[0])
-    hashes: list[int] = []
-    owners: list[int] = []
-    for h, idx in points:
-        if hashes and hashes[-1] == h:
+        packed.extend((h << 16) | idx for h in server_points(server, weight))
+    # sorting (hash, server index) packed in one int: for equal hashes the earlier server's
+    # point comes first, as nginx's sort leaves it (its points were generated first)
+    packed.sort()
+    hashes = array("I")
+    owners = array("H")
+    last = -1
+    for v in packed:
+        h = v >> 16
+        if h == last:
             continue  # nginx keeps the first point of a run of equal hashes
         hashes.append(h)
-        owners.append(idx)
-    return tuple(hashes), tuple(owners)
+        owners.append(v & 0xFFFF)
+        last = h
+    return hashes, owners
 
 
 class Ring:

@@ -14,6 +14,7 @@ Never ``playwright install``: the browser is Debian's (PLATFORM.md §9).
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -167,8 +168,10 @@ def test_operator_flow_in_chromium(cf: Fleet, traffic: Traffic, browser, shots: 
     row.get_by_role("link", name="Warm n2", exact=True).click()
     expect(dialog).to_contain_text("Warm n2 now?")
     page.locator("#confirm-ok").click()
-    expect(page.locator("#toasts")).to_contain_text("n2: warm-up ok", timeout=60000)
-    expect(row.locator('[data-field="progress"]')).to_contain_text("last warm-up ok", timeout=10000)
+    # "partial" when one of the prompts failed under this test's own traffic: still a finished warm-up
+    expect(page.locator("#toasts")).to_contain_text(re.compile(r"n2: warm-up (ok|partial) after"), timeout=60000)
+    expect(row.locator('[data-field="progress"]')).to_contain_text(re.compile(r"last warm-up (ok|partial)"),
+                                                                    timeout=10000)
     expect(row.locator('[data-field="state"]')).to_have_text("drained")
 
     # ------------------------------------------------ undrain n2 → warming → ramping → active

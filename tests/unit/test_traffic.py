@@ -603,3 +603,17 @@ def test_a_field_holding_the_packing_separators_is_emptied(r: redis.Redis) -> No
     assert (a["requests"], a["at_home"]) == (2, 2) and a["hot_keys"][0]["kind"] == "session"
     add(r, node=h, key=k, point=p, kind="\x1e")  # newest: its kind is emptied
     assert view(r)["a"]["hot_keys"][0]["kind"] == "" and view(r)["a"]["requests"] == 3
+
+
+def test_an_entry_with_a_non_finite_ts_counts_at_its_stream_time(r: redis.Redis) -> None:
+    """A corrupt ``ts`` (nan, inf, 1e400) must not break the page for good: the entry's
+    stream id (its arrival, ms) stands in for it."""
+    key, point, home = session("nan")
+    for bad in ("nan", "inf", "1e400", "-inf"):
+        r.xadd("kvgate:log", {"ts": bad, "pool": "a", "node": home, "status": "200", "cache": "MISS",
+                              "kind": "session", "fp": "", "key": key, "ms": "5", "point": str(point), "tries": "1"})
+    t = TrafficTracker(window_s=900)
+    t.update(r, POLICY, BASE)
+    a = tracked(t)["a"]
+    assert a["requests"] == 4 and a["at_home"] == 4
+    assert view(r)["a"]["requests"] == 4

@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import logging
 import re
+import secrets
 import threading
 import time
 from typing import Any
@@ -41,7 +42,7 @@ from flask import (Blueprint, Flask, Response, flash, g, jsonify, redirect, rend
 from flask_wtf.csrf import CSRFError, CSRFProtect
 
 from ..policy import PolicyError
-from ..policy.locate import line_of
+from ..policy.locate import lines_of
 from . import states as st
 from .plane import ApplyError, Conflict, ControlPlane, NotFound
 from .states import InvalidTransition
@@ -208,6 +209,7 @@ def fleet_rows(plane: ControlPlane, now: float | None = None) -> list[dict[str, 
             "id": n["id"], "pool": n["pool"], "url": n["url"], "state": n["state"], "reason": n.get("reason") or "",
             "progress": progress, "busy": busy, "hit_ratio": hit,
             "warmup_status": (n.get("warmup") or {}).get("status"),
+            "warmup_finished_at": ((n.get("warmup") or {}).get("result") or {}).get("finished_at"),
             "cells": {
                 "state": n["state"],
                 "weight": f"{_weight(n.get('target_weight'))} / "
@@ -253,8 +255,7 @@ def annotate(text: str, issues: list[dict[str, Any]]) -> tuple[list[dict[str, An
     issues whose line cannot be told (the whole document, nginx's own refusal) are in ``unplaced``."""
     lines = [{"no": i + 1, "text": t, "issues": []} for i, t in enumerate(text.splitlines() or [""])]
     unplaced = []
-    for issue in issues:
-        no = line_of(text, issue.get("path") or "")
+    for issue, no in zip(issues, lines_of(text, [i.get("path") or "" for i in issues])):
         if no is not None and 1 <= no <= len(lines):
             issue = {**issue, "line": no}
             lines[no - 1]["issues"].append(issue)
@@ -282,6 +283,25 @@ def diff_lines(old: str, new: str, old_name: str, new_name: str) -> list[dict[st
 
 
 # ------------------------------------------------------------------ the page
+def home_weights(plane: ControlPlane) -> dict[str, int]:
+    """The weights of the ring that defines a route key's home node: the nginx weight in force,
+    and for a node that is down (draining, drained, ejected, warming …) its target weight, the
+    weight it has when it serves (so a drain does not move the other nodes' homes)."""
+    from ..render import WEIGHT_SCALE
+
+    assert plane.policy is not None
+    applied = dict(plane.applied.weights) if plane.applied else {}
+    out = {}
+    with plane.lock:
+        for node in plane.policy.nodes():
+            w = applied.get(node.id) or 0
+            if w <= 0:
+                rec = plane.nodes.get(node.id) or {}
+                w = rec.get("target_weight") or node.weight * WEIGHT_SCALE
+            out[node.id] = int(w)
+    return out
+
+
 class _TrafficCache:
     """The request-log figures of the Pools/Cache pages and the Fleet page's pool line.
 
@@ -322,7 +342,7 @@ class _TrafficCache:
 
         policy = plane.policy
         assert policy is not None
-        weights = dict(plane.applied.weights) if plane.applied else {}
+        weights = home_weights(plane)
         key = (id(policy), tuple(sorted(weights.items())))
         with self._lock:
             if not (self._key == key and time.monotonic() - self._at < TRAFFIC_CACHE_S):
@@ -336,6 +356,9 @@ class _TrafficCache:
                     value["pools"] = {p["pool"]: p for p in self._tracker.view(policy)}
                 except redis.RedisError as exc:
                     value["error"] = f"the gateway's Redis ({policy.redis.url}) cannot be read: {exc}"
+                except Exception as exc:  # a page must degrade with a message, never fail on the figures
+                    log.exception("reading the request log failed")
+                    value["error"] = f"the request log could not be analysed: {type(exc).__name__}: {exc}"
                 self._key, self._at, self._value = key, time.monotonic(), value
             value = dict(self._value)
             if cache_stats and not value["error"]:
@@ -383,6 +406,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
         SESSION_COOKIE_HTTPONLY=True,
         SESSION_COOKIE_SAMESITE="Strict",
         PERMANENT_SESSION_LIFETIME=dt.timedelta(hours=SESSION_HOURS),
+        SESSION_REFRESH_EACH_REQUEST=False,  # the cookie expires 12 h after sign-in, however busy the page
         WTF_CSRF_CHECK_DEFAULT=False,   # checked in the blueprint: a Bearer request needs none
         WTF_CSRF_TIME_LIMIT=None,       # valid as long as the session (an open page may sit for hours)
     )
@@ -392,34 +416,56 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
     bp = Blueprint("admin", __name__, url_prefix="/admin", template_folder="templates",
                    static_folder="static", static_url_path="/static")
 
-    def bearer_ok() -> bool:
+    def bearer() -> str | None:
+        """The token of an ``Authorization: Bearer`` header (other schemes, e.g. a proxy's Basic
+        auth, are not ours: the session decides then)."""
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+        return given.strip() if scheme.lower() == "bearer" else None
+
+    def signed_in() -> bool:
+        """A session cookie of this token, younger than SESSION_HOURS, not signed out."""
+        if not hmac.compare_digest(str(session.get("admin", "")), mark):
+            return False
+        try:
+            if time.time() - float(session.get("iat", 0)) > SESSION_HOURS * 3600:
+                return False
+        except (TypeError, ValueError):
+            return False
+        sid = str(session.get("sid", ""))
+        try:
+            return bool(sid) and not plane.store.session_revoked(sid)
+        except StoreError:
+            return True  # Redis down: the page stays usable (it says Redis is down); see docs/admin.md
 
     @bp.before_request
     def _auth():
         g.admin_via = None
+        if plane.policy is not None:
+            app.config["SESSION_COOKIE_SECURE"] = plane.policy.control.admin_cookie_secure
         if request.endpoint in ("admin.login", "admin.static"):
             return None
-        if request.headers.get("Authorization"):
-            if bearer_ok():
+        given = bearer()
+        if given is not None:
+            if hmac.compare_digest(given.encode(), token.encode()):
                 g.admin_via = "bearer"
                 return None
             return _json_error(401, "wrong admin token in the Authorization header (`kvgate token` prints it)",
                                "authentication_error", "invalid_token")
-        if hmac.compare_digest(str(session.get("admin", "")), mark):
+        if signed_in():
             g.admin_via = "session"
             if request.method not in ("GET", "HEAD", "OPTIONS"):
                 csrf.protect()  # raises CSRFError → 400, before the view runs: nothing changes
             return None
-        if request.path.endswith(".json"):
-            return _json_error(401, "not signed in", "authentication_error", "not_signed_in",
-                               login=url_for("admin.login"))
+        if _wants_json():  # the page's script (fetch) and other JSON clients: 401, never a redirect
+            return _json_error(401, "not signed in (or the session ended): sign in again", "authentication_error",
+                               "not_signed_in", login=url_for("admin.login"))
         nxt = request.full_path.rstrip("?") if request.method == "GET" else None
         return redirect(url_for("admin.login", next=nxt), 303)
 
-    @bp.after_request
+    @app.after_request
     def _headers(resp: Response) -> Response:
+        if not request.path.startswith("/admin"):
+            return resp
         resp.headers.setdefault("Cache-Control", "no-store")
         resp.headers["X-Frame-Options"] = "DENY"
         resp.headers["X-Content-Type-Options"] = "nosniff"
@@ -441,7 +487,10 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
     def _context():
         if not request.path.startswith("/admin"):
             return {}
+        ref = urlsplit(request.referrer or "")
+        back = ref.path + (f"?{ref.query}" if ref.query else "") if ref.netloc == request.host else None
         return {"plane": plane, "policy_version": plane.policy_version or {}, "fmt_when": _when, "fmt_pct": _pct,
+                "cancel_url": _safe_next(back),
                 "fmt_ago": _ago, "gateway_ok": plane._gateway.get("ok"), "now": time.time()}
 
     def done(message: str, status: int = 200, category: str = "ok", json_extra: dict[str, Any] | None = None,
@@ -452,7 +501,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
                 code = {404: "not_found", 409: "conflict", 422: "invalid_policy", 503: "redis_unavailable"}
                 return _json_error(status, message, "invalid_request_error" if status < 500 else "server_error",
                                    code.get(status, "failed"))
-            return jsonify({"ok": True, "message": message, **(json_extra or {})}), status
+            return jsonify({"ok": True, "message": message, "at": time.time(), **(json_extra or {})}), status
         flash(message, category)
         return redirect(back or url_for("admin.fleet"), 303)
 
@@ -461,7 +510,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
     def login():
         nxt = _safe_next(request.values.get("next"))
         if request.method == "GET":
-            if hmac.compare_digest(str(session.get("admin", "")), mark):
+            if signed_in():
                 return redirect(nxt, 303)
             return render_template("admin/login.html", next=nxt, error=None)
         csrf.protect()
@@ -472,11 +521,19 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
                                    error="That is not the admin token. `kvgate token` prints it."), 401
         session.clear()  # a fresh session (and CSRF token) on sign-in
         session["admin"] = mark
+        session["sid"] = secrets.token_urlsafe(16)
+        session["iat"] = time.time()
         session.permanent = True
         return redirect(nxt, 303)
 
     @bp.post("/logout")
     def logout():
+        sid = str(session.get("sid", ""))
+        if sid:
+            try:  # a copy of the cookie stops working too (until Redis forgets it, when it would expire)
+                plane.store.revoke_session(sid, int(SESSION_HOURS * 3600 - (time.time() - float(session.get("iat", 0)))))
+            except (StoreError, TypeError, ValueError) as exc:
+                log.warning("sign-out not recorded: %s", exc)
         session.clear()
         flash("Signed out.", "ok")
         return redirect(url_for("admin.login"), 303)
@@ -650,8 +707,15 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
             text = form_text()
         except ValueError as exc:
             return policy_page(status=413, store_error=str(exc))
-        running = plane.policy_version or {}
         base = request.form.get("base_version", type=int)
+        who = "admin page" if g.admin_via == "session" else "admin page (token)"
+        # the base check and the apply in one critical section: two operators applying edits of
+        # the same version must not overwrite each other unseen (plane.lock is re-entrant)
+        with plane.lock:
+            return _apply_locked(text, base, who)
+
+    def _apply_locked(text: str, base: int | None, who: str):
+        running = plane.policy_version or {}
         if base is not None and running.get("version") is not None and base != running.get("version"):
             result = check(text)
             result["stale"] = (f"The running policy changed to version {running.get('version')} since you loaded "
@@ -659,7 +723,6 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
             if _wants_json():
                 return _json_error(409, result["stale"], "conflict_error", "stale_base_version")
             return policy_page(text, 409, result=result, base_version=running.get("version"))
-        who = "admin page" if g.admin_via == "session" else "admin page (token)"
         try:
             out = plane.apply_policy(text, who)
         except PolicyError as exc:

@@ -78,8 +78,10 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
 
     @app.before_request
     def _auth():
-        if request.path in ("/", "/healthz", "/admin", "/favicon.ico") or request.path.startswith("/admin/"):
+        if request.path in ("/", "/healthz", "/favicon.ico") or request.blueprint == "admin":
             return None  # the admin page signs in on its own (session cookie or Bearer)
+        if request.url_rule is None and (request.path == "/admin" or request.path.startswith("/admin/")):
+            return None  # no such page (an HTML 404 follows), or /admin → /admin/
         public = plane.policy is not None and plane.policy.control.public_reads
         if request.method in ("GET", "HEAD") and public:
             return None
@@ -132,6 +134,9 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
 
     @app.errorhandler(405)
     def _no_method(_exc):
+        if request.path.startswith("/admin"):
+            return render_template("admin/error.html", title="Method not allowed",
+                                   message=f"{request.method} is not allowed on {request.path}."), 405
         return _error(405, f"method {request.method} not allowed on {request.path}", "invalid_request_error",
                       "method_not_allowed")
 

@@ -148,6 +148,13 @@ class Store:
     def set(self, name: str, value: str) -> None:
         self._call(f"write {name}", self.r.set, PREFIX + name, value)
 
+    def revoke_session(self, sid: str, ttl_s: int) -> None:
+        """Mark an admin page session as signed out (until it would have expired anyway)."""
+        self._call("revoke session", self.r.set, PREFIX + "revoked_session:" + sid, "1", ex=max(1, int(ttl_s)))
+
+    def session_revoked(self, sid: str) -> bool:
+        return bool(self._call("read session", self.r.exists, PREFIX + "revoked_session:" + sid))
+
     # ----------------------------------------------------------- versions
     def add_version(self, yaml_text: str, digest: str, source: str, keep: int = 100) -> dict[str, Any]:
         seq = int(self._call("number version", self.r.incr, PREFIX + "version_seq"))

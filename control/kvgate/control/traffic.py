@@ -307,7 +307,9 @@ class _Delta:
         for entry_id, ts_s, pool, node, status, cache, kind, key, point_s, tries in rows:
             try:
                 ts = float(ts_s)
-            except ValueError:  # no usable ts: the stream id's time (ms) stands in
+            except ValueError:
+                ts = math.nan
+            if not math.isfinite(ts):  # no usable ts: the stream id's time (ms) stands in
                 ts = int(entry_id.split("-", 1)[0]) / 1000.0
             if ts < cutoff:
                 continue  # started before the window (a long stream, logged at its end)

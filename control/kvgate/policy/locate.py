@@ -21,6 +21,15 @@ def path_tokens(path: str) -> list[str | int]:
     return [int(idx) if idx is not None and idx != "" else key for key, idx in _TOKEN.findall(path)]
 
 
+def lines_of(text: str, paths: list[str]) -> list[int | None]:
+    """:func:`line_of` for many paths, composing the YAML once."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        root = None
+    return [_line_in(root, p) for p in paths]
+
+
 def line_of(text: str, path: str) -> int | None:
     """The 1-based line of the field at ``path`` in ``text``, or None when it cannot be told.
 
@@ -33,11 +42,14 @@ def line_of(text: str, path: str) -> int | None:
         return int(m.group(1))
     if not path:
         return None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return None
-    if node is None:
+    return lines_of(text, [path])[0]
+
+
+def _line_in(node, path: str) -> int | None:
+    m = _SYNTAX.match(path.strip())
+    if m:
+        return int(m.group(1))
+    if not path or node is None:
         return None
     line = None
     for token in path_tokens(path):

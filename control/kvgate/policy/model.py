@@ -304,6 +304,10 @@ class ControlConfig(_Strict):
     tick_s: float = Field(1.0, gt=0, le=60, description="How often the control plane re-evaluates states and weights (seconds).")
     events_kept: int = Field(10000, ge=100, description="Events kept in Redis (oldest dropped first).")
     versions_kept: int = Field(100, ge=2, description="Applied policy versions kept for rollback.")
+    admin_cookie_secure: bool = Field(
+        False, description="Mark the admin page's session cookie `Secure` (sent over HTTPS only): set it when a "
+        "TLS-terminating proxy serves the control plane. Off by default: the page is plain HTTP on loopback."
+    )
 
     @field_validator("listen")
     @classmethod

@@ -7,8 +7,12 @@
 (function () {
   "use strict";
   var csrf = (document.querySelector('meta[name="csrf-token"]') || {}).content || "";
-  var REFRESH_MS = 2000, CHART_MS = 5000;
-  var pending = {};  // node id -> {action, target, started}
+  var REFRESH_MS = 2000, CHART_MS = 5000, GIVE_UP_MS = 20 * 60 * 1000;
+  var pending = {};  // node id -> {action, target, started (browser ms), at (server s, set by the POST's answer)}
+  // the states an action passes through; any other one means someone or something undid it
+  var PATH = { drain: ["draining", "drained"], undrain: ["warming", "ramping", "active"] };
+
+  function toLogin() { window.location = "/admin/login?next=" + encodeURIComponent(location.pathname); }
 
   function toast(text, isError) {
     var box = document.getElementById("toasts");
@@ -48,8 +52,13 @@
       method: "POST", body: body, credentials: "same-origin",
       headers: { "Accept": "application/json", "X-CSRFToken": csrf }
     }).then(function (resp) {
-      return resp.json().catch(function () { return {}; }).then(function (data) {
-        if (resp.status === 401) { window.location = "/admin/login?next=" + encodeURIComponent(location.pathname); }
+      var json = (resp.headers.get("Content-Type") || "").indexOf("application/json") === 0;
+      if (resp.status === 401 || resp.redirected || !json) {
+        // never take a sign-in page (or anything but our JSON) for success
+        setTimeout(toLogin, 1500);
+        throw new Error("not done: the session ended (HTTP " + resp.status + "); sign in again");
+      }
+      return resp.json().then(function (data) {
         if (!resp.ok) { throw new Error((data.error && data.error.message) || ("HTTP " + resp.status)); }
         return data;
       });
@@ -66,12 +75,13 @@
       if (!answer.ok) return;
       var fields = answer.force ? { force: "1" } : {};
       if (node) {
-        pending[node] = { action: action, target: a.dataset.target, started: Date.now(), seenBusy: false };
+        pending[node] = { action: action, target: a.dataset.target, started: Date.now(), at: null };
         setProgress(node, action + " requested…", true);
       }
       post(a.href, fields).then(function (data) {
         toast(data.message || "done");
         if (!node) { setTimeout(function () { window.location.reload(); }, 400); return; }
+        if (pending[node]) pending[node].at = data.at;
         refreshFleet();
       }).catch(function (err) {
         if (node) delete pending[node];
@@ -103,7 +113,12 @@
     row.classList.toggle("busy", !!busy);
   }
 
-  function applyRow(r) {
+  function finish(node, text, isError) {
+    delete pending[node];
+    toast(text, isError);
+  }
+
+  function applyRow(r, at) {
     var row = document.querySelector('#fleet tr[data-node="' + r.id + '"]');
     if (!row) return;
     row.dataset.state = r.state;
@@ -124,14 +139,23 @@
       else { link.setAttribute("aria-disabled", "true"); link.setAttribute("tabindex", "-1"); }
     });
     var p = pending[r.id];
-    if (!p) return;
+    if (!p || p.at === null || at < p.at) return;  // only figures newer than the action's answer count
     var secs = ((Date.now() - p.started) / 1000).toFixed(1);
-    if (r.busy) p.seenBusy = true;
-    var finished = p.target ? r.state === p.target
-      : (p.seenBusy || Date.now() - p.started > 4000) && r.warmup_status !== "running";
-    if (finished) {
-      delete pending[r.id];
-      toast(r.id + ": " + (p.target ? r.state : "warm-up " + (r.warmup_status || "done")) + " after " + secs + " s");
+    if (p.action === "warm") {
+      if (r.warmup_status !== "running" && (r.warmup_finished_at || 0) >= p.at - 1) {
+        finish(r.id, r.id + ": warm-up " + r.warmup_status + " after " + secs + " s", r.warmup_status === "failed");
+        return;
+      }
+    } else if (r.state === p.target) {
+      finish(r.id, r.id + ": " + r.state + " after " + secs + " s");
+      return;
+    } else if (PATH[p.action] && PATH[p.action].indexOf(r.state) < 0) {
+      finish(r.id, r.id + ": " + p.action + " did not complete: the node is " + r.state + " now (see Events)", true);
+      return;
+    }
+    if (Date.now() - p.started > GIVE_UP_MS) {
+      finish(r.id, r.id + ": " + p.action + " still not complete after " + Math.round(secs / 60) +
+        " min; the row keeps showing its progress", true);
     } else if (!r.cells.progress) {
       setProgress(r.id, p.action + " in progress… (" + secs + " s)", true);
     }
@@ -143,11 +167,11 @@
     refreshing = true;
     fetch("/admin/fleet.json", { credentials: "same-origin", headers: { "Accept": "application/json" } })
       .then(function (resp) {
-        if (resp.status === 401) { window.location = "/admin/login?next=/admin/"; throw new Error("signed out"); }
+        if (resp.status === 401) { toLogin(); throw new Error("signed out"); }
         return resp.json();
       })
       .then(function (data) {
-        data.rows.forEach(applyRow);
+        data.rows.forEach(function (r) { applyRow(r, data.at); });
         (data.pools || []).forEach(function (p) {
           var li = document.querySelector('#pool-lines li[data-pool="' + p.name + '"]');
           if (!li) return;
