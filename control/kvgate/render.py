@@ -57,10 +57,14 @@ class Runtime:
             ``policy weight × WEIGHT_SCALE``.
         balancers: pool name → balancer in force (overload degrade switches a pool to
             ``least_conn``); pools not in the map use the policy's balancer.
+        namespace_version: the response cache's namespace version in force when higher than
+            the policy's: the control plane never lets it go back (a rollback or an older policy
+            file would otherwise make invalidated entries readable again); None = the policy's.
     """
 
     weights: Mapping[str, int] = field(default_factory=dict)
     balancers: Mapping[str, str] = field(default_factory=dict)
+    namespace_version: int | None = None
 
     def weight(self, node_id: str, base: int) -> int:
         return int(self.weights.get(node_id, base * WEIGHT_SCALE))
@@ -197,7 +201,7 @@ def data_config(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any
             "enabled": policy.cache.enabled,
             "ttl_s": policy.cache.ttl_s,
             "max_entry_bytes": policy.cache.max_entry_bytes,
-            "namespace_version": policy.cache.namespace_version,
+            "namespace_version": max(policy.cache.namespace_version, runtime.namespace_version or 0),
         },
         "redis": {
             "host": redis_host(policy),

@@ -250,9 +250,17 @@ def test_cache_invalidate_bumps_the_namespace_version_and_keeps_comments(cf: Fle
     added = [ln for ln in after["yaml"].splitlines() if ln not in before["yaml"].splitlines()]
     assert [ln.strip() for ln in added] in (["cache:", "namespace_version: 2"], ["cache: {namespace_version: 2}"]), added
     assert all(ln in after["yaml"].splitlines() for ln in before["yaml"].splitlines())
-    assert requests.post(cf.gateway + "/v1/chat/completions", json=body, timeout=30).headers["X-Kvgate-Cache"] == "MISS"
     assert any(e["kind"] == "cache_invalidated" for e in cf.events(kind="cache"))
-    # put the running policy back (the module's other tests diff against the fixture's text)
+    # Put the pre-invalidation text back (the module's other tests diff against it). It says
+    # namespace version 1, yet the version in force stays 2: the entry the invalidation retired
+    # is never read again.
+    assert cf.api("PUT", "/api/v1/policy", data=before["yaml"]).status_code == 200
+    assert requests.post(cf.gateway + "/v1/chat/completions", json=body, timeout=30).headers["X-Kvgate-Cache"] == "MISS"
+    page = s.get(cf.control + "/admin/cache", timeout=30).text
+    assert re.search(r'data-field="namespace_version">2\s*<small>\(the policy says 1', page)
+    # the next invalidation goes above the highest version ever in force, never back to 2
+    r = s.post(cf.control + "/admin/cache/invalidate", data={"csrf_token": token}, timeout=60)
+    assert r.status_code == 200 and "namespace version 2 → 3" in r.text
     assert cf.api("PUT", "/api/v1/policy", data=before["yaml"]).status_code == 200
 
 
@@ -320,3 +328,63 @@ def test_events_page_filters_by_node(cf: Fleet):
     assert s.get(cf.control + "/admin/events?before=not-an-id", timeout=30).status_code == 400
     assert s.get(cf.control + "/admin/nope", timeout=10).status_code == 404
 
+
+
+def test_pool_without_a_serving_node_is_flagged(cf: Fleet):
+    s, token = sign_in(cf)
+    for n in ("n1", "n2", "n3"):
+        assert s.post(cf.control + f"/admin/nodes/{n}/drain", data={"csrf_token": token}, timeout=30).status_code == 200
+    # the last one only with the box ticked
+    r = s.post(cf.control + "/admin/nodes/n4/drain", data={"csrf_token": token}, timeout=30)
+    assert "Drain even if it is the last serving node" in r.text and cf.node("n4")["state"] == "active"
+    r = s.post(cf.control + "/admin/nodes/n4/drain", data={"csrf_token": token, "force": "1"}, timeout=30)
+    assert "n4: drain started" in r.text
+    page = s.get(cf.control + "/admin/", timeout=30).text
+    assert "no node serving: every request to this pool fails (502)" in page
+    pools = s.get(cf.control + "/admin/fleet.json", timeout=30).json()["pools"]
+    assert pools[0]["serving"] == 0
+    r = s.post(cf.control + "/admin/nodes/n4/drain", data={"csrf_token": token}, timeout=30)
+    assert "n4 is already draining" in r.text or "n4 is already drained" in r.text
+    for n in ("n1", "n2", "n3", "n4"):
+        cf.wait_state(n, "drained", timeout=60)
+        assert s.post(cf.control + f"/admin/nodes/{n}/undrain", data={"csrf_token": token}, timeout=30).status_code == 200
+    for n in ("n1", "n2", "n3", "n4"):
+        cf.wait_state(n, "active", timeout=60)
+    assert "4 of 4 nodes serving" in s.get(cf.control + "/admin/", timeout=30).text
+
+
+def test_redis_down_policy_changes_are_refused_and_the_page_says_so(cf: Fleet):
+    """Last in the module: it stops the fleet's Redis, then brings it back with `kvgate up`."""
+    s, token = sign_in(cf)
+    running = cf.api("GET", "/api/v1/policy").json()
+    edited = running["yaml"].replace("drain: {timeout_s: 120}", "drain: {timeout_s: 60}")
+    import redis as redis_lib
+
+    try:
+        redis_lib.Redis(port=cf.redis_port).shutdown(nosave=True)
+    except redis_lib.ConnectionError:
+        pass  # the server closed the connection: it is going down
+    wait_until(lambda: not _pings(cf.redis_port), "Redis to stop", timeout=20)
+    try:
+        r = s.post(cf.control + "/admin/policy/apply", data={"csrf_token": token, "yaml": edited}, timeout=60)
+        assert "Redis is unreachable: policy changes are refused" in r.text
+        r = cf.api("PUT", "/api/v1/policy", data=edited)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "redis_unavailable"
+        r = s.post(cf.control + "/admin/cache/invalidate", data={"csrf_token": token}, timeout=60)
+        assert "Redis is unreachable" in r.text
+        page = s.get(cf.control + "/admin/", timeout=30)
+        assert page.status_code == 200 and "unknown (Redis down)" in page.text
+        assert s.get(cf.control + "/admin/pools", timeout=30).status_code == 200
+    finally:
+        up = cf.kvgate("up", str(cf.policy_path))
+        assert up.returncode == 0, up.stdout + up.stderr
+    assert cf.api("GET", "/api/v1/policy").json()["yaml"] == running["yaml"]
+
+
+def _pings(port: int) -> bool:
+    import redis as redis_lib
+
+    try:
+        return bool(redis_lib.Redis(port=port, socket_timeout=1).ping())
+    except redis_lib.RedisError:
+        return False

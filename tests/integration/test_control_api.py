@@ -380,7 +380,7 @@ def test_versions_grow_on_change_only_and_rollback(cf: Fleet) -> None:
     assert rolled["changed"] is True and rolled["version"] == changed["version"] + 1
     now = cf.api("GET", "/api/v1/policy").json()
     assert now["version"] == rolled["version"] and now["yaml"] == v1["yaml"]
-    assert now["source"] == "rollback to version 1"
+    assert now["source"] == "rollback to version 1 by API"
     assert " weight=100 " in server_line(cf, "n1")
     newest = versions(cf)
     assert newest[0]["version"] == rolled["version"] and newest[0]["yaml"] == v1["yaml"]

@@ -181,12 +181,16 @@ def fleet_rows(plane: ControlPlane, now: float | None = None) -> list[dict[str, 
     now = now or time.time()
     assert plane.policy is not None
     nodes = plane.nodes_view()
+    redis_ok = plane.store.ping()
     policy = plane.policy
     stale_after = policy.health.missing_reports * policy.control.report_interval_s
     rows = []
     for n in nodes:
         report = n.get("report")
+        age = n.get("report_age_s")
+        fresh = age is not None and age <= stale_after
         engine = (report or {}).get("engine") or {}
+        down = n["state"] == st.EJECTED or not fresh or engine.get("healthy") is False
         rates = plane.history.rates(n["id"], now=now, over_s=RATE_WINDOW_S)
         mem, util, gpu_title = _gpu_cells(report)
         hit = rates.get("prefix_hit_ratio")
@@ -194,13 +198,18 @@ def fleet_rows(plane: ControlPlane, now: float | None = None) -> list[dict[str, 
         if hit is None and engine.get("prefix_cache_queries"):
             hit = (engine.get("prefix_cache_hits") or 0) / engine["prefix_cache_queries"]
             hit_title = "no lookups in the last minute: since the engine started"
+        if down:  # an unreachable engine's last figures would hide that it is down
+            hit, engine = None, {}
+            why = (((report or {}).get("engine") or {}).get("error")
+                   or ("ejected" if n["state"] == st.EJECTED else "no fresh agent report"))
+            hit_title = f"no figure: {why}"
         progress, busy = _progress(plane, n, now)
-        age = n.get("report_age_s")
         err = rates.get("error_rate")
         running, waiting = engine.get("running"), engine.get("waiting")
         cls = {
             "state": f"state-{n['state']}",
-            "report_age": "bad" if age is None and n.get("has_agent") or (age is not None and age > stale_after) else "",
+            "report_age": ("warn" if not redis_ok else
+                           "bad" if age is None and n.get("has_agent") or (age is not None and age > stale_after) else ""),
             "errors": "bad" if err and err >= 0.05 else ("warn" if err and err > 0 else ""),
             "kv_cache": "warn" if (engine.get("kv_cache_usage") or 0) >= 0.9 else "",
             "queue": "warn" if (waiting or 0) > 0 else "",
@@ -220,7 +229,8 @@ def fleet_rows(plane: ControlPlane, now: float | None = None) -> list[dict[str, 
                 "prefix_hit": _pct(hit, 1),
                 "req_s": _num(rates.get("req_s"), 1),
                 "errors": _pct(err, 1),
-                "report_age": _ago(age) if age is not None else ("none yet" if not n.get("has_agent") else "missing"),
+                "report_age": ("unknown (Redis down)" if not redis_ok else _ago(age) if age is not None
+                               else ("none yet" if not n.get("has_agent") else "missing")),
                 "progress": progress,
             },
             "classes": cls,
@@ -363,10 +373,11 @@ class _TrafficCache:
             value = dict(self._value)
             if cache_stats and not value["error"]:
                 at, version, stats = self._stats
-                if version != policy.cache.namespace_version or time.monotonic() - at >= self.CACHE_STATS_S:
+                ns = plane.namespace_in_force
+                if version != ns or time.monotonic() - at >= self.CACHE_STATS_S:
                     try:
-                        stats = read_cache_stats(self.redis_for(policy.redis.url), policy.cache.namespace_version)
-                        self._stats = (time.monotonic(), policy.cache.namespace_version, stats)
+                        stats = read_cache_stats(self.redis_for(policy.redis.url), ns)
+                        self._stats = (time.monotonic(), ns, stats)
                     except redis.RedisError as exc:
                         value["error"] = f"the gateway's Redis ({policy.redis.url}) cannot be read: {exc}"
                         stats = None
@@ -391,7 +402,8 @@ def _safe_next(target: str | None) -> str:
     """Only a path of this page (no other host): sign-in must not become an open redirect."""
     if target:
         parts = urlsplit(target)
-        if not parts.scheme and not parts.netloc and parts.path.startswith("/admin") and "\\" not in target:
+        if (not parts.scheme and not parts.netloc and parts.path.startswith("/admin") and "\\" not in target
+                and not any(ord(c) < 32 or ord(c) == 127 for c in target)):
             return target
     return url_for("admin.fleet")
 
@@ -544,9 +556,15 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
         out = []
         for p in plane.pools_view():
             tv = (t.get("pools") or {}).get(p["name"]) or {}
+            with plane.lock:
+                serving = [i for i in p["nodes"] if (plane.nodes.get(i) or {}).get("state") in st.SERVING]
+            requests_n = tv.get("requests") or 0
             out.append({**p, "affinity_ratio": tv.get("affinity_ratio"), "routed": tv.get("routed"),
                         "requests": tv.get("requests"), "cache_ratio": tv.get("cache_ratio") or {},
-                        "failovers_window": tv.get("failovers")})
+                        "failovers_window": tv.get("failovers"), "serving": len(serving),
+                        "error_ratio": (tv.get("errors") or 0) / requests_n if requests_n else None,
+                        "unjudged": max(0, requests_n - (tv.get("routed") or 0)
+                                        - ((tv.get("cache") or {}).get("HIT") or 0))})
         return out
 
     @bp.get("/")
@@ -557,7 +575,8 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
     @bp.get("/fleet.json")
     def fleet_json():
         pools = [{"name": p["name"], "balancer_in_force": p["balancer_in_force"], "degraded": p["degraded"],
-                  "affinity": _pct(p["affinity_ratio"], 1), "hit": _pct((p["cache_ratio"] or {}).get("HIT"), 1)}
+                  "affinity": _pct(p["affinity_ratio"], 1), "hit": _pct((p["cache_ratio"] or {}).get("HIT"), 1),
+                  "errors": _pct(p["error_ratio"], 1), "serving": p["serving"], "nodes": len(p["nodes"])}
                  for p in pool_lines()]
         return jsonify({"rows": fleet_rows(plane), "pools": pools, "at": time.time(),
                         "gateway_ok": bool(plane._gateway.get("ok")),
@@ -590,18 +609,25 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
         try:
             if action == "drain":
                 force = request.form.get("force", "").lower() in ("1", "true", "yes", "on")
-                view = plane.drain(node_id, reason=who, force=force)
-                message = f"{node_id}: drain started; it becomes drained when nothing is in flight on it."
+                with plane.lock:
+                    before = plane.node_view(node_id)["state"]
+                    view = plane.drain(node_id, reason=who, force=force)
+                message = (f"{node_id} is already {before}: nothing to do." if before in (st.DRAINING, st.DRAINED)
+                           else f"{node_id}: drain started; it becomes drained when nothing is in flight on it.")
             elif action == "undrain":
                 view = plane.undrain(node_id, reason=who)
                 message = f"{node_id}: undrain started (warming, then ramping)."
             else:
-                view = plane.warm(node_id)
+                view = plane.warm(node_id, reason=who)
                 message = f"{node_id}: warm-up started."
         except NotFound as exc:
             return done(str(exc.args[0]), 404, "error")
         except (InvalidTransition, Conflict) as exc:
-            return done(str(exc), 409, "error")
+            text = str(exc)
+            if isinstance(exc, Conflict) and "pass force" in text and not _wants_json():
+                text = text.replace("pass force to do it anyway", "tick 'Drain even if it is the last serving node' "
+                                    "on the confirmation to do it anyway")
+            return done(text, 409, "error")
         except ApplyError as exc:
             return done(f"the gateway config was not applied; the running one keeps serving: {exc}", 500, "error")
         except StoreError as exc:
@@ -622,6 +648,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
         assert plane.policy is not None
         return render_template("admin/cache.html", traffic=t.get("pools") or {}, stats=t.get("cache"),
                                traffic_error=t.get("error"), cache_cfg=plane.policy.cache,
+                               namespace=plane.namespace_in_force,
                                pool_names=[p.name for p in plane.policy.pools], window_s=TRAFFIC_WINDOW_S,
                                page="cache")
 
@@ -629,7 +656,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
     def cache_invalidate():
         assert plane.policy is not None
         if request.method == "GET":
-            v = plane.policy.cache.namespace_version
+            v = plane.namespace_in_force
             return render_template("admin/confirm.html", action="invalidate", spec={"label": "Invalidate the cache"},
                                    node=None, post_url=url_for("admin.cache_invalidate"), page="cache",
                                    message=f"Invalidate the whole response cache? The namespace version goes from "
@@ -682,8 +709,10 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
     def form_text() -> str:
         text = request.form.get("yaml", "").replace("\r\n", "\n")
         if len(text.encode()) > 1024 * 1024:
-            raise ValueError("the policy is larger than 1 MiB")
+            raise ValueError(text)
         return text
+
+    too_large = "The policy is larger than 1 MiB: not checked, not applied."
 
     @bp.get("/policy")
     def policy():
@@ -694,19 +723,24 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
         try:
             text = form_text()
         except ValueError as exc:
-            return policy_page(status=413, store_error=str(exc))
+            return policy_page(str(exc), status=413, store_error=too_large)
         result = check(text)
+        running_v = (plane.policy_version or {}).get("version")
+        base = request.form.get("base_version", type=int)
+        if base is not None and running_v is not None and base != running_v:
+            result["stale"] = (f"The running policy changed to version {running_v} since you loaded version {base}: "
+                               "the diff below is against the running one.")
         if _wants_json():
             return jsonify({k: result[k] for k in ("issues", "valid", "changed", "diff")}), 200 if result["valid"] else 422
         return policy_page(text, 200 if result["valid"] else 422, result=result,
-                           base_version=request.form.get("base_version", type=int))
+                           base_version=running_v if result.get("stale") else base)
 
     @bp.post("/policy/apply")
     def policy_apply():
         try:
             text = form_text()
         except ValueError as exc:
-            return policy_page(status=413, store_error=str(exc))
+            return policy_page(str(exc), status=413, store_error=too_large)
         base = request.form.get("base_version", type=int)
         who = "admin page" if g.admin_via == "session" else "admin page (token)"
         # the base check and the apply in one critical section: two operators applying edits of
@@ -767,7 +801,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
                                    message=f"Apply policy version {version} again (as a new version)?")
         back = url_for("admin.policy")
         try:
-            out = plane.rollback(version)
+            out = plane.rollback(version, by="admin page" if g.admin_via == "session" else "admin page (token)")
         except NotFound as exc:
             return done(str(exc.args[0]), 404, "error", back=back)
         except PolicyError as exc:
@@ -799,7 +833,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
         evs = evs[:limit]
         if _wants_json():
             return jsonify({"events": evs})
-        return render_template("admin/events.html", events=evs, node=node, kind=kind, kinds=EVENT_KINDS,
+        return render_template("admin/events.html", events=evs, node=node, kind=kind, kinds=EVENT_KINDS, paged=bool(before),
                                node_ids=[n.id for n in plane.policy.nodes()], error=error, page="events",
                                older=evs[-1]["id"] if more and evs else None)
 

@@ -188,7 +188,7 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
 
     @app.post("/api/v1/nodes/<node_id>/warm")
     def warm(node_id: str):
-        return jsonify(plane.warm(node_id)), 202
+        return jsonify(plane.warm(node_id, reason="API")), 202
 
     @app.get("/api/v1/pools")
     def pools():
@@ -221,7 +221,7 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
 
     @app.post("/api/v1/policy/versions/<int:version>/rollback")
     def rollback(version: int):
-        return jsonify(plane.rollback(version))
+        return jsonify(plane.rollback(version, by="API"))
 
     @app.get("/api/v1/events")
     def events():

@@ -21,6 +21,7 @@ weights. Node records, reports, events and applied policy versions are kept in R
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import logging
 import os
@@ -193,6 +194,9 @@ class ControlPlane:
         self._warmups: dict[str, threading.Thread] = {}
         self._http = requests.Session()
         self._pending_events: list[tuple[str, str, dict[str, Any]]] = []
+        self.namespace_floor = 0
+        """The highest response-cache namespace version ever in force (kept in Redis): the
+        version in force never goes below it (see :attr:`namespace_in_force`)."""
         self.history = History()
         """The last 15 minutes of each node's figures, for the admin page (memory only)."""
 
@@ -217,6 +221,7 @@ class ControlPlane:
             policy_text, source = latest["yaml"], f"restart (version {latest['version']})"
         with self.lock:
             self.nodes = self.store.nodes()
+            self.namespace_floor = int(self.store.get("cache_namespace_max") or 0)
             if latest and latest["yaml"] == policy_text:
                 policy = parse_policy_text(policy_text, f"version {latest['version']}")
                 self._adopt(policy, policy_text)
@@ -347,6 +352,10 @@ class ControlPlane:
                 config keeps serving; an event and ``kvgate_control_reloads_total{result="failed"}``).
         """
         with self.lock:
+            if self.policy is not None and not self.store.ping():
+                # applied but recorded nowhere, it could neither be listed nor rolled back
+                raise StoreError("Redis is unreachable: policy changes are refused until the control plane can "
+                                 "record them as versions (the running policy keeps serving)")
             try:
                 policy = parse_policy_text(text, "policy")
                 if self.policy is not None:
@@ -436,19 +445,20 @@ class ControlPlane:
             text = getattr(self, "_policy_text", None)
             if self.policy is None or text is None:
                 raise ValueError("no policy is applied yet")
-            old = self.policy.cache.namespace_version
-            new_text, new = bump_namespace_version(text)
+            old = self.namespace_in_force
+            new_text, new = bump_namespace_version(text, at_least=old + 1)
             result = self.apply_policy(new_text, source)
             self._event("cache_invalidated", f"response cache invalidated by {source}: namespace version "
                         f"{old} → {new} (policy version {result['version']})", old=old, new=new,
                         version=result["version"])
             return {"old": old, "new": new, **result}
 
-    def rollback(self, version: int) -> dict[str, Any]:
-        """Apply a stored version again (as a new version). Raises NotFound, PolicyError, ApplyError."""
+    def rollback(self, version: int, by: str | None = None) -> dict[str, Any]:
+        """Apply a stored version again (as a new version). Raises NotFound, PolicyError, ApplyError,
+        StoreError. The namespace version in force does not go back (see :attr:`namespace_in_force`)."""
         for v in self.store.versions():
             if v["version"] == version:
-                return self.apply_policy(v["yaml"], f"rollback to version {version}")
+                return self.apply_policy(v["yaml"], f"rollback to version {version}" + (f" by {by}" if by else ""))
         raise NotFound(f"no stored policy version {version}")
 
     def _write_running_copy(self, text: str) -> None:
@@ -460,10 +470,22 @@ class ControlPlane:
         os.replace(tmp, self.run_dir / "policy.yaml")
 
     # ================================================================ runtime
-    def desired_runtime(self) -> Runtime:
-        """Weights (0 = down) and balancer switches for the current states."""
+    @property
+    def namespace_in_force(self) -> int:
+        """The response cache's namespace version in force: the policy's, or the highest one ever
+        in force when that is higher. A rollback or an older policy file (``namespace_version: 1``)
+        must not make entries readable again that an invalidation retired: they may still be
+        within their TTL."""
         assert self.policy is not None
-        return runtime_for(self.policy, self.nodes, self.pools)
+        return max(self.policy.cache.namespace_version, self.namespace_floor)
+
+    def desired_runtime(self) -> Runtime:
+        """Weights (0 = down), balancer switches and the namespace version for the current states."""
+        assert self.policy is not None
+        runtime = runtime_for(self.policy, self.nodes, self.pools)
+        if self.namespace_floor > self.policy.cache.namespace_version:
+            runtime = dataclasses.replace(runtime, namespace_version=self.namespace_floor)
+        return runtime
 
     def _apply_runtime(self, force: bool = False) -> str:
         """Render and apply the desired runtime if it differs from the applied one.
@@ -487,6 +509,12 @@ class ControlPlane:
             raise ApplyError(str(exc)) from None
         self._failed_runtime = None
         self.applied = runtime
+        if self.namespace_in_force > self.namespace_floor:
+            self.namespace_floor = self.namespace_in_force
+            try:
+                self.store.set("cache_namespace_max", str(self.namespace_floor))
+            except StoreError as exc:
+                log.warning("namespace version %d in force but not recorded: %s", self.namespace_floor, exc)
         self.metrics.reloads.labels(result).inc()
         if result != "unchanged":
             self._event("reload", f"gateway config {result}", result=result,
@@ -711,14 +739,15 @@ class ControlPlane:
         self._transition(rec, st.WARMING, reason)
         self._launch_warmup(rec)
 
-    def _launch_warmup(self, rec: dict[str, Any]) -> None:
+    def _launch_warmup(self, rec: dict[str, Any], reason: str | None = None) -> None:
         node_id = rec["id"]
         running = self._warmups.get(node_id)
         if running and running.is_alive():
             return
         rec["warmup"] = {"status": "running", "started_at": time.time(), "result": None, "progress": [0, 0]}
         self._save(rec)
-        self._event("warmup", f"{node_id}: warm-up started", node=node_id, pool=rec["pool"])
+        self._event("warmup", f"{node_id}: warm-up started" + (f" (requested by {reason})" if reason else ""),
+                    node=node_id, pool=rec["pool"])
         t = threading.Thread(target=self._warmup_thread, args=(node_id,), name=f"warmup-{node_id}",
                              daemon=True)
         self._warmups[node_id] = t
@@ -1031,7 +1060,7 @@ class ControlPlane:
             self._start_warming(rec, f"undrain requested by {reason}")
             return self.node_view(node_id)
 
-    def warm(self, node_id: str) -> dict[str, Any]:
+    def warm(self, node_id: str, reason: str | None = None) -> dict[str, Any]:
         """Run the warm-up on the node now, without changing its state (e.g. a drained node before
         undrain). Raises NotFound; InvalidTransition-like 409 when a warm-up already runs."""
         with self.lock:
@@ -1040,7 +1069,7 @@ class ControlPlane:
             if running and running.is_alive():
                 raise Conflict(f"a warm-up of {node_id} is already running; wait for it (`kvgate warm {node_id}` "
                                "waits) or follow it with `kvgate nodes`")
-            self._launch_warmup(rec)
+            self._launch_warmup(rec, reason)
             return self.node_view(node_id)
 
     # ================================================================= views

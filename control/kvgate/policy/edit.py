@@ -84,10 +84,11 @@ def _append(m: CommentedMap, key: str, value: Any) -> None:
     m.ca.items.setdefault(key, [None, None, None, None])[2] = CommentToken("\n" + rest, CommentMark(0), None)
 
 
-def bump_namespace_version(text: str) -> tuple[str, int]:
+def bump_namespace_version(text: str, at_least: int = 0) -> tuple[str, int]:
     """Raise ``cache.namespace_version`` by one in the policy text (which invalidates the
     whole response cache: every cache key carries the version), keeping comments, key
-    order and formatting.
+    order and formatting. With ``at_least``, the new version is at least that (the control
+    plane passes one more than the highest version ever in force, so a number is never reused).
 
     An absent ``namespace_version`` counts as 1 (the model's default), so the result has 2;
     an absent (or empty) ``cache`` section is created, before ``pools`` when there is one.
@@ -116,7 +117,7 @@ def bump_namespace_version(text: str) -> tuple[str, int]:
     current = cache.get("namespace_version", 1)
     if isinstance(current, bool) or not isinstance(current, int):
         raise ValueError(f"cache.namespace_version must be an integer, not {current!r}")
-    new = int(current) + 1
+    new = max(int(current) + 1, int(at_least))
     if "namespace_version" in cache or not isinstance(cache, CommentedMap):
         cache["namespace_version"] = new
     else:

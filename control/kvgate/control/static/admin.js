@@ -45,6 +45,21 @@
     });
   }
 
+  // a real form submission (the answer is a page with its message), after the dialog
+  function submitForm(url, fields) {
+    var form = document.createElement("form");
+    form.method = "post";
+    form.action = url;
+    var all = Object.assign({ csrf_token: csrf }, fields || {});
+    Object.keys(all).forEach(function (k) {
+      var input = document.createElement("input");
+      input.type = "hidden"; input.name = k; input.value = all[k];
+      form.appendChild(input);
+    });
+    document.body.appendChild(form);
+    form.submit();
+  }
+
   function post(url, fields) {
     var body = new URLSearchParams(fields || {});
     body.set("csrf_token", csrf);
@@ -74,13 +89,11 @@
     confirmDialog(a.dataset.confirm, action === "drain").then(function (answer) {
       if (!answer.ok) return;
       var fields = answer.force ? { force: "1" } : {};
-      if (node) {
-        pending[node] = { action: action, target: a.dataset.target, started: Date.now(), at: null };
-        setProgress(node, action + " requested…", true);
-      }
+      if (!node) { submitForm(a.href, fields); return; }  // e.g. rollback: the next page says how it went
+      pending[node] = { action: action, target: a.dataset.target, started: Date.now(), at: null };
+      setProgress(node, action + " requested…", true);
       post(a.href, fields).then(function (data) {
         toast(data.message || "done");
-        if (!node) { setTimeout(function () { window.location.reload(); }, 400); return; }
         if (pending[node]) pending[node].at = data.at;
         refreshFleet();
       }).catch(function (err) {
@@ -96,11 +109,7 @@
     if (!form.classList || !form.classList.contains("js-confirm-form")) return;
     ev.preventDefault();
     confirmDialog(form.dataset.confirm, false).then(function (answer) {
-      if (!answer.ok) return;
-      post(form.dataset.post).then(function (data) {
-        toast(data.message || "done");
-        setTimeout(function () { window.location.reload(); }, 600);
-      }).catch(function (err) { toast(err.message, true); });
+      if (answer.ok) submitForm(form.dataset.post);
     });
   });
 
@@ -179,26 +188,43 @@
           li.querySelector('[data-field="degraded"]').textContent = p.degraded ? " (overload degrade)" : "";
           li.querySelector('[data-field="affinity"]').textContent = p.affinity;
           li.querySelector('[data-field="hit"]').textContent = p.hit;
+          li.querySelector('[data-field="errors"]').textContent = p.errors;
+          var sv = li.querySelector('[data-field="serving"]');
+          sv.textContent = p.serving === 0 ? "no node serving: every request to this pool fails (502)"
+            : p.serving + " of " + p.nodes + " nodes serving";
+          sv.className = p.serving === 0 ? "bad" : "";
         });
         var gw = document.getElementById("gateway-status");
         if (gw) { gw.textContent = "gateway " + (data.gateway_ok ? "up" : "unreachable"); gw.className = data.gateway_ok ? "ok" : "bad"; }
+        var table = document.getElementById("fleet");
+        if (table) table.classList.remove("stale");
         var st = document.getElementById("refresh-status");
         if (st) st.textContent = "Live: updated " + new Date(data.at * 1000).toLocaleTimeString() + " (every 2 s).";
       })
       .catch(function (err) {
         var st = document.getElementById("refresh-status");
-        if (st) st.textContent = "Live refresh failed (" + err.message + "); retrying.";
+        if (st) st.textContent = "Live refresh failed (" + err.message + "): the figures below are stale; retrying.";
+        var gw = document.getElementById("gateway-status");
+        if (gw) { gw.textContent = "control plane unreachable"; gw.className = "bad"; }
+        var table = document.getElementById("fleet");
+        if (table) table.classList.add("stale");
       })
       .finally(function () { refreshing = false; });
   }
 
   // ------------------------------------------------------------------- charts
-  var charts = {};
+  var charts = {}, WINDOW_S = 900;
+  window.addEventListener("resize", function () {
+    Object.keys(charts).forEach(function (id) {
+      var el = document.getElementById(id);
+      if (el) charts[id].setSize({ width: Math.max(280, el.clientWidth || 320), height: 120 });
+    });
+  });
   function chartOpts(el, label, pct) {
     return {
       width: Math.max(280, el.clientWidth || 320), height: 120,
       legend: { show: false }, cursor: { drag: { x: false, y: false } },
-      scales: { x: { time: true }, y: pct ? { range: [0, 100] } : { range: function (u, min, max) { return [0, Math.max(1, max)]; } } },
+      scales: { x: { time: true, range: function () { var now = Date.now() / 1000; return [now - WINDOW_S, now]; } }, y: pct ? { range: [0, 100] } : { range: function (u, min, max) { return [0, Math.max(1, max)]; } } },
       axes: [{ space: 60, size: 26 }, { size: 48, values: function (u, vals) { return vals.map(function (v) { return pct ? v + "%" : v; }); } }],
       series: [{}, { label: label, stroke: pct ? "#1f5fbf" : "#b35a00", width: 1.5, spanGaps: false,
         fill: pct ? "rgba(31,95,191,.08)" : "rgba(179,90,0,.08)",
@@ -216,6 +242,7 @@
     fetch("/admin/history.json", { credentials: "same-origin", headers: { "Accept": "application/json" } })
       .then(function (resp) { return resp.json(); })
       .then(function (data) {
+        WINDOW_S = data.window_s || WINDOW_S;
         els.forEach(function (el) {
           var s = (data.nodes || {})[el.dataset.node];
           if (!s) return;
