@@ -187,6 +187,18 @@ def _fleets(base: Path) -> Iterator[Callable[..., Fleet]]:
     assert not any(errors.values()), (errors, "see the run dir's logs/control.log")
 
 
+def wait_until(pred: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    """Poll ``pred`` every 0.1 s until it returns something truthy (returned); AssertionError
+    naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def sse_events(text: str) -> list[Any]:
     """The JSON payloads of an SSE body (``[DONE]`` as the string)."""
     out: list[Any] = []

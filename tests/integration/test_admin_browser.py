@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 import threading
-import time
 from pathlib import Path
 from typing import Callable, Iterator
 

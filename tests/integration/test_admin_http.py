@@ -7,13 +7,12 @@ The browser test (test_admin_browser.py) drives the same page in Chromium."""
 from __future__ import annotations
 
 import re
-import time
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import pytest
 import requests
 
-from ctlfixtures import MODEL, Fleet
+from ctlfixtures import MODEL, Fleet, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -43,15 +42,6 @@ def sign_in(f: Fleet) -> tuple[requests.Session, str]:
     assert fleet_page.status_code == 200
     return s, csrf_of(fleet_page.text)
 
-
-def wait_until(pred: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def traffic(f: Fleet, n: int = 24) -> None:

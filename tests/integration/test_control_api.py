@@ -21,7 +21,7 @@ import redis as redis_lib
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from ctlfixtures import MODEL, Fleet
+from ctlfixtures import MODEL, Fleet, wait_until
 from kvgate.control.plane import ControlPlane
 from kvgate.control.store import Store
 from kvgate.nginxctl import Nginx
@@ -39,15 +39,6 @@ def cf(control_fleet_module: Callable[..., Fleet]) -> Iterator[Fleet]:
 
 
 # ------------------------------------------------------------------ helpers
-def wait_until(pred: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 def eid(event_id: str) -> tuple[int, ...]:
     """A Redis stream id (``ms-seq``) as a comparable tuple."""

@@ -51,6 +51,8 @@ from .store import StoreError
 log = logging.getLogger("kvgate.control.admin")
 
 SESSION_HOURS = 12
+MAX_POLICY_BYTES = 1024 * 1024
+"""The largest policy the editor takes (the API's limit too: kvgate.control.app)."""
 TRAFFIC_WINDOW_S = 900.0
 """The Pools and Cache pages (and the Fleet page's pool line) read the last 15 minutes of the request log."""
 TRAFFIC_CACHE_S = 3.0
@@ -398,6 +400,11 @@ def _json_error(status: int, message: str, type_: str, code: str, **extra: Any) 
     return resp
 
 
+def actor() -> str:
+    """Who acts, as events and node reasons say it."""
+    return "admin page" if g.get("admin_via") == "session" else "admin page (token)"
+
+
 def _safe_next(target: str | None) -> str:
     """Only a path of this page (no other host): sign-in must not become an open redirect."""
     if target:
@@ -503,7 +510,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
         back = ref.path + (f"?{ref.query}" if ref.query else "") if ref.netloc == request.host else None
         return {"plane": plane, "policy_version": plane.policy_version or {}, "fmt_when": _when, "fmt_pct": _pct,
                 "cancel_url": _safe_next(back),
-                "fmt_ago": _ago, "gateway_ok": plane._gateway.get("ok"), "now": time.time()}
+                "fmt_ago": _ago, "gateway_ok": plane.gateway_ok, "now": time.time()}
 
     def done(message: str, status: int = 200, category: str = "ok", json_extra: dict[str, Any] | None = None,
              back: str | None = None):
@@ -579,7 +586,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
                   "errors": _pct(p["error_ratio"], 1), "serving": p["serving"], "nodes": len(p["nodes"])}
                  for p in pool_lines()]
         return jsonify({"rows": fleet_rows(plane), "pools": pools, "at": time.time(),
-                        "gateway_ok": bool(plane._gateway.get("ok")),
+                        "gateway_ok": plane.gateway_ok,
                         "policy_version": (plane.policy_version or {}).get("version")})
 
     @bp.get("/history.json")
@@ -605,7 +612,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
                                    message=spec["confirm"].format(node=node_id),
                                    post_url=url_for("admin.node_action", node_id=node_id, action=action),
                                    page="fleet")
-        who = "admin page" if g.admin_via == "session" else "admin page (token)"
+        who = actor()
         try:
             if action == "drain":
                 force = request.form.get("force", "").lower() in ("1", "true", "yes", "on")
@@ -662,7 +669,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
                                    message=f"Invalidate the whole response cache? The namespace version goes from "
                                            f"{v} to {v + 1} (a new policy version): every cached answer is "
                                            "recomputed on its next request. Old entries expire by their TTL.")
-        who = "admin page" if g.admin_via == "session" else "admin page (token)"
+        who = actor()
         back = url_for("admin.cache")
         try:
             out = plane.invalidate_cache(who)
@@ -706,13 +713,14 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
         return {"issues": issues, "lines": lines, "unplaced": unplaced, "diff": diff, "valid": not issues,
                 "changed": bool(diff)}
 
-    def form_text() -> str:
+    def form_text() -> tuple[str, Any]:
+        """The edited policy (line ends normalised) and, when it is too large, the page refusing
+        it (with the edit kept in the editor)."""
         text = request.form.get("yaml", "").replace("\r\n", "\n")
-        if len(text.encode()) > 1024 * 1024:
-            raise ValueError(text)
-        return text
-
-    too_large = "The policy is larger than 1 MiB: not checked, not applied."
+        if len(text.encode()) > MAX_POLICY_BYTES:
+            return text, policy_page(text, status=413, store_error="The policy is larger than 1 MiB: not checked, "
+                                     "not applied.")
+        return text, None
 
     @bp.get("/policy")
     def policy():
@@ -720,10 +728,9 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
 
     @bp.post("/policy/check")
     def policy_check():
-        try:
-            text = form_text()
-        except ValueError as exc:
-            return policy_page(str(exc), status=413, store_error=too_large)
+        text, refused = form_text()
+        if refused:
+            return refused
         result = check(text)
         running_v = (plane.policy_version or {}).get("version")
         base = request.form.get("base_version", type=int)
@@ -737,16 +744,13 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
 
     @bp.post("/policy/apply")
     def policy_apply():
-        try:
-            text = form_text()
-        except ValueError as exc:
-            return policy_page(str(exc), status=413, store_error=too_large)
-        base = request.form.get("base_version", type=int)
-        who = "admin page" if g.admin_via == "session" else "admin page (token)"
+        text, refused = form_text()
+        if refused:
+            return refused
         # the base check and the apply in one critical section: two operators applying edits of
         # the same version must not overwrite each other unseen (plane.lock is re-entrant)
         with plane.lock:
-            return _apply_locked(text, base, who)
+            return _apply_locked(text, request.form.get("base_version", type=int), actor())
 
     def _apply_locked(text: str, base: int | None, who: str):
         running = plane.policy_version or {}
@@ -801,7 +805,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
                                    message=f"Apply policy version {version} again (as a new version)?")
         back = url_for("admin.policy")
         try:
-            out = plane.rollback(version, by="admin page" if g.admin_via == "session" else "admin page (token)")
+            out = plane.rollback(version, by=actor())
         except NotFound as exc:
             return done(str(exc.args[0]), 404, "error", back=back)
         except PolicyError as exc:
@@ -822,7 +826,7 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
         before = request.args.get("before") or None
         if before is not None and not re.fullmatch(r"\d{1,19}(-\d{1,19})?", before):
             return render_template("admin/error.html", title="Bad request",
-                                   message=f"before must be an event id such as 1700000000000-0"), 400
+                                   message="before must be an event id such as 1700000000000-0"), 400
         limit = 100
         error = None
         try:

@@ -194,6 +194,7 @@ class ControlPlane:
         self._warmups: dict[str, threading.Thread] = {}
         self._http = requests.Session()
         self._pending_events: list[tuple[str, str, dict[str, Any]]] = []
+        self._policy_text: str | None = None
         self.namespace_floor = 0
         """The highest response-cache namespace version ever in force (kept in Redis): the
         version in force never goes below it (see :attr:`namespace_in_force`)."""
@@ -433,16 +434,18 @@ class ControlPlane:
 
     def invalidate_cache(self, source: str) -> dict[str, Any]:
         """Invalidate the whole response cache at once: apply the running policy with
-        ``cache.namespace_version`` + 1 (a new policy version; the operator's comments are kept).
-        Every cache key carries the version (``kvgate:resp:v<N>:...``, lua/kvgate/cache_key.lua),
-        so old entries are never read again and expire by their TTL.
+        ``cache.namespace_version`` one above the version in force (:attr:`namespace_in_force`;
+        a new policy version, the operator's comments kept). Every cache key carries the version
+        (``kvgate:resp:v<N>:...``, lua/kvgate/cache_key.lua), so old entries are never read again
+        and expire by their TTL.
 
         Returns ``{"old": n, "new": n + 1, "version": policy version, "result": nginx result}``.
-        Raises PolicyError, ApplyError (nothing changed), ValueError (no policy yet)."""
+        Raises PolicyError, ApplyError (nothing changed), StoreError (Redis unreachable: refused),
+        ValueError (no policy yet)."""
         from ..policy.edit import bump_namespace_version
 
         with self.lock:
-            text = getattr(self, "_policy_text", None)
+            text = self._policy_text
             if self.policy is None or text is None:
                 raise ValueError("no policy is applied yet")
             old = self.namespace_in_force
@@ -470,6 +473,11 @@ class ControlPlane:
         os.replace(tmp, self.run_dir / "policy.yaml")
 
     # ================================================================ runtime
+    @property
+    def gateway_ok(self) -> bool:
+        """Whether the last reconciler round could read the gateway's ``/metrics``."""
+        return bool(self._gateway.get("ok"))
+
     @property
     def namespace_in_force(self) -> int:
         """The response cache's namespace version in force: the policy's, or the highest one ever
