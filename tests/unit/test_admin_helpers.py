@@ -44,3 +44,17 @@ def test_safe_next(target, ok):
         assert (_safe_next(target) == target) is ok
         if not ok:
             assert _safe_next(target) == "/admin/"
+
+
+def test_gpu_cells_sum_memory_and_average_utilisation_over_devices():
+    from kvgate.control.admin import _gpu_cells
+
+    report = {"gpu": {"status": "ok", "devices": [
+        {"name": "NVIDIA H200", "memory_used_bytes": 60 * 2**30, "memory_total_bytes": 141 * 2**30,
+         "utilization_pct": 80},
+        {"name": "NVIDIA H200", "memory_used_bytes": 40 * 2**30, "memory_total_bytes": 141 * 2**30,
+         "utilization_pct": 40}]}}
+    assert _gpu_cells(report) == ("100.0 / 282.0 GiB", "60%", "2 × NVIDIA H200")
+    no_nvml = {"gpu": {"status": "unavailable", "reason": "NVML Shared Library Not Found"}}
+    assert _gpu_cells(no_nvml) == ("no GPU", "no GPU", "no GPU figures: NVML Shared Library Not Found")
+    assert _gpu_cells(None)[0] == "—"
