@@ -80,7 +80,7 @@ def test_key_point_is_ngx_crc32_long() -> None:
     ("localhost:80", b"localhost", b"80"),
     ("backend", b"backend", b""),
     ("unix:/run/engine.sock", b"/run/engine.sock", b""),
-    ("UNIX:/tmp/x:1", b"/tmp/x:1", b""),
+    ("UNIX:/run/engine/x:1", b"/run/engine/x:1", b""),
     ("[::1]:8000", b"[::1]", b"8000"),
     ("host:8a", b"host:8a", b""),  # a non-digit after the last ':': no port
     ("host:", b"host", b""),
