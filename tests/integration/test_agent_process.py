@@ -10,9 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import requests
@@ -20,6 +18,7 @@ from flask import Flask, jsonify, request
 from prometheus_client.parser import text_string_to_metric_families
 from werkzeug.serving import make_server
 
+from ctlfixtures import wait_until
 from gwfixtures import MODEL, free_port
 
 pytestmark = pytest.mark.integration
@@ -30,17 +29,6 @@ TOKEN = "agent-test-token"
 def kvgate_bin() -> list[str]:
     script = Path(sys.executable).with_name("kvgate")
     return [str(script)] if script.exists() else [sys.executable, "-m", "kvgate"]
-
-
-def wait_until(pred: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    """Poll until ``pred()`` is truthy (generous timeout: the box is shared); return its value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Receiver:
