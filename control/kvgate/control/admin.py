@@ -295,25 +295,6 @@ def diff_lines(old: str, new: str, old_name: str, new_name: str) -> list[dict[st
 
 
 # ------------------------------------------------------------------ the page
-def home_weights(plane: ControlPlane) -> dict[str, int]:
-    """The weights of the ring that defines a route key's home node: the nginx weight in force,
-    and for a node that is down (draining, drained, ejected, warming …) its target weight, the
-    weight it has when it serves (so a drain does not move the other nodes' homes)."""
-    from ..render import WEIGHT_SCALE
-
-    assert plane.policy is not None
-    applied = dict(plane.applied.weights) if plane.applied else {}
-    out = {}
-    with plane.lock:
-        for node in plane.policy.nodes():
-            w = applied.get(node.id) or 0
-            if w <= 0:
-                rec = plane.nodes.get(node.id) or {}
-                w = rec.get("target_weight") or node.weight * WEIGHT_SCALE
-            out[node.id] = int(w)
-    return out
-
-
 class _TrafficCache:
     """The request-log figures of the Pools/Cache pages and the Fleet page's pool line.
 
@@ -354,7 +335,7 @@ class _TrafficCache:
 
         policy = plane.policy
         assert policy is not None
-        weights = home_weights(plane)
+        weights = plane.serving_weights()
         key = (id(policy), tuple(sorted(weights.items())))
         with self._lock:
             if not (self._key == key and time.monotonic() - self._at < TRAFFIC_CACHE_S):

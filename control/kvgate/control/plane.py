@@ -487,6 +487,22 @@ class ControlPlane:
         assert self.policy is not None
         return max(self.policy.cache.namespace_version, self.namespace_floor)
 
+    def serving_weights(self) -> dict[str, int]:
+        """Node id → the nginx weight the node has when it serves: the weight in force, and for a
+        node that is down (draining, drained, ejected, warming …) its target weight. The ring of
+        these weights defines a route key's *home node* (the admin page's affinity ratio,
+        :mod:`kvgate.control.traffic`): a drain does not move the other nodes' homes."""
+        assert self.policy is not None
+        with self.lock:
+            applied = dict(self.applied.weights) if self.applied else {}
+            out = {}
+            for node in self.policy.nodes():
+                w = applied.get(node.id) or 0
+                if w <= 0:
+                    w = (self.nodes.get(node.id) or {}).get("target_weight") or node.weight * WEIGHT_SCALE
+                out[node.id] = int(w)
+            return out
+
     def desired_runtime(self) -> Runtime:
         """Weights (0 = down), balancer switches and the namespace version for the current states."""
         assert self.policy is not None
