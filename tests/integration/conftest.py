@@ -12,3 +12,4 @@ from ctlfixtures import (  # noqa: F401  (re-exported fixtures)
     control_fleet,
     control_fleet_module,
 )
+from mockengine import start_mocks  # noqa: F401  (re-exported fixture)
