@@ -191,6 +191,10 @@ def data_config(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any
         "debug_headers": gw.debug_headers,
         "fallback_route_key": gw.fallback_route_key,
         "max_body_bytes": gw.max_body_bytes,
+        "shutdown": {
+            "grace_s": gw.worker_shutdown_timeout_s,
+            "cut_streams_after_s": stream_cut_after_s(gw.worker_shutdown_timeout_s, gw.read_timeout_s),
+        },
         "models": models,
         "model_list": sorted(models),
         "pools": pools,
@@ -202,6 +206,8 @@ def data_config(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any
             "ttl_s": policy.cache.ttl_s,
             "max_entry_bytes": policy.cache.max_entry_bytes,
             "namespace_version": max(policy.cache.namespace_version, runtime.namespace_version or 0),
+            # lowercase: ngx.req.get_headers() keys are lowercase
+            "credential_header": policy.cache.credential_header.lower(),
         },
         "redis": {
             "host": redis_host(policy),
@@ -213,11 +219,27 @@ def data_config(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any
     }
 
 
+STREAM_CUT_MARGIN_S = 1.0
+"""Seconds between the read timeout of a stream silent at the shutdown cut and the end of the grace."""
+
+
+def stream_cut_after_s(grace_s: float, read_timeout_s: float) -> float:
+    """Seconds after a worker begins its graceful shutdown at which it ends the streams still sending.
+
+    A stream that sends after this instant is ended with an error event (``lua/kvgate/shutdown.lua``);
+    one silent at it ends by the read timeout before ``grace_s`` runs out, so nginx's forced
+    close at the end of ``worker_shutdown_timeout`` never cuts a stream silently. The policy
+    requires ``grace_s >= read_timeout_s + STREAM_CUT_MARGIN_S``, so the result is >= 0.
+    """
+    return max(0.0, grace_s - read_timeout_s - STREAM_CUT_MARGIN_S)
+
+
 def lua_digest(lua_dir: Path) -> str:
-    """sha256 (16 hex digits) over the names and contents of ``lua_dir/kvgate/*.lua``."""
+    """sha256 (16 hex digits) over the paths and contents of ``lua_dir/kvgate/**/*.lua``."""
     h = hashlib.sha256()
-    for path in sorted(Path(lua_dir).glob("kvgate/*.lua")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    root = Path(lua_dir)
+    for path in sorted(root.glob("kvgate/**/*.lua")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 

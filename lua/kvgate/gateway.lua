@@ -10,6 +10,7 @@ local inflight = require "kvgate.inflight"
 local reqlog = require "kvgate.reqlog"
 local capture = require "kvgate.capture"
 local sse_guard = require "kvgate.sse_guard"
+local shutdown = require "kvgate.shutdown"
 local hash = require "kvgate.hash"
 local lrucache = require "resty.lrucache"
 -- preloaded here, in the master, so workers never read the file system
@@ -63,6 +64,7 @@ end
 function _M.init_worker()
     seen = lrucache.new(SEEN_ITEMS)
     reqlog.start()
+    shutdown.start()
 end
 
 local function node_of(cfg, addr)
@@ -264,6 +266,11 @@ function _M.body_filter()
     end
     local chunk, eof = ngx.arg[1], ngx.arg[2]
     if guard then
+        if ctx.stream_cut then
+            -- ended by the shutdown cut below: what the node still sends is dropped
+            ngx.arg[1] = nil
+            return
+        end
         local finished = chunk == "" and not eof and upstream_finished()
         local out, failed = sse_guard.step(guard, chunk, eof, finished, ctx.node)
         if out then
@@ -275,6 +282,19 @@ function _M.body_filter()
             metrics.incr("kvgate_stream_errors_total", { pool = ctx.pool, node = ctx.node or "unknown" })
             ngx.log(ngx.WARN, "kvgate: node ", ctx.node, " (", var.upstream_addr, ") failed mid-stream; ",
                 "sent an error event to the client")
+        elseif not eof and shutdown.cut_due(config.get().shutdown.cut_streams_after_s) then
+            local last = sse_guard.cut(guard, chunk)
+            if last then
+                ngx.arg[1] = last
+                ngx.arg[2] = true
+                ctx.stream_cut = true
+                ctx.stream_failed = true
+                ctx.capture = false
+                metrics.incr("kvgate_stream_cuts_total", { pool = ctx.pool, reason = "shutdown-grace" })
+                ngx.log(ngx.WARN, "kvgate: a stream from node ", ctx.node, " outlived the reload grace; ",
+                    "ended it with an error event before worker_shutdown_timeout")
+                return
+            end
         end
     end
     if ctx.capture then
@@ -375,6 +395,15 @@ function _M.log()
         end
         if find(addr, ",", 1, true) then
             metrics.incr("kvgate_failovers_total", { pool = ctx.pool })
+        end
+    end
+    local guard = ctx.guard
+    if guard and not guard.done and not guard.failed then
+        -- a stream that ended without [DONE]: a client abort, or nginx's forced close at the
+        -- end of the grace (which the cut in body_filter exists to prevent: counted if seen)
+        local since = shutdown.since()
+        if since and ngx.now() - since >= cfg.shutdown.grace_s - 0.5 then
+            metrics.incr("kvgate_stream_cuts_total", { pool = ctx.pool, reason = "shutdown-forced" })
         end
     end
     cache.log(cfg, ctx)

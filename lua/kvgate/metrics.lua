@@ -30,6 +30,7 @@ _M.FAMILIES = {
     kvgate_bad_requests_total = { "counter", "Requests rejected by the gateway before any node was contacted, by status." },
     kvgate_upstream_inflight = { "gauge", "Requests in flight per node: counted from the response headers of the node until the request ends (all workers, across reloads)." },
     kvgate_stream_errors_total = { "counter", "Streamed (SSE) responses whose node failed or timed out after the headers were sent; the client got an error event." },
+    kvgate_stream_cuts_total = { "counter", "Streamed (SSE) responses the gateway ended itself, by reason: shutdown-grace (still streaming when a reloading worker's grace was nearly over; the client got an error event) or shutdown-forced (closed by nginx at the end of worker_shutdown_timeout, no event)." },
     kvgate_request_log_written_total = { "counter", "Request-log entries written to the Redis stream kvgate:log." },
     kvgate_request_log_dropped_total = { "counter", "Request-log entries dropped, by reason (buffer-full, redis-down, redis-error, spill-full)." },
     kvgate_prefix_captures_total = { "counter", "Prompt prefixes sent to Redis for warm-up (SET NX: an existing text is kept)." },

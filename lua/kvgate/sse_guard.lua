@@ -28,17 +28,34 @@ function _M.new()
     return { done = false, tail = nil, mid = false }
 end
 
---- error_event(node) -> the SSE event sent in place of the missing rest of the stream
--- (OpenAI's streaming error shape: the openai client raises APIError on it)
-function _M.error_event(node)
+--- error_event(node[, message, code]) -> the SSE event sent in place of the missing rest of
+-- the stream (OpenAI's streaming error shape: the openai client raises APIError on it).
+-- message, code: default to a failed node's ("node N failed mid-stream; …", "upstream_failed").
+function _M.error_event(node, message, code)
     return "data: " .. cjson.encode({
         error = {
-            message = "node " .. tostring(node) .. " failed mid-stream; the response is incomplete",
+            message = message or ("node " .. tostring(node) .. " failed mid-stream; the response is incomplete"),
             type = "server_error",
             param = cjson.null,
-            code = "upstream_failed",
+            code = code or "upstream_failed",
         },
     }) .. "\n\n"
+end
+
+_M.SHUTDOWN_MESSAGE = "the gateway is reloading and this stream outlived its grace " ..
+    "(gateway.worker_shutdown_timeout_s); the response is incomplete"
+
+--- cut(st, sent) -> the data to send in place of the chunk: the stream's last
+-- sent: what goes out for this chunk after step() (its out, or the chunk when out is nil).
+-- The partial event held back is dropped and the error event ends the stream; the caller
+-- sets eof. Nil when the stream already ended ([DONE] seen or an error event sent).
+function _M.cut(st, sent)
+    if st.done or st.failed then
+        return nil
+    end
+    st.failed = true
+    st.tail = nil
+    return (sent or "") .. (st.mid and "\n\n" or "") .. _M.error_event(nil, _M.SHUTDOWN_MESSAGE, "gateway_shutdown")
 end
 
 local function ends_event(s)

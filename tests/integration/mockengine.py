@@ -58,6 +58,9 @@ class Behaviour:
         stall_s: pause before anything is sent (headers included).
         cut_after: a stream is closed (no terminating chunk, no ``[DONE]``) after this
             many content pieces.
+        pause_after: a stream pauses ``pause_s`` after this many content pieces (a node that
+            goes silent mid-stream).
+        pause_s: length of that pause.
         reset: the connection is reset (TCP RST) after the request is read, nothing sent.
         sse_error: after the first piece, an SSE ``error`` event is sent, then ``[DONE]``.
         usage: include ``usage`` (always for JSON; for streams when the client asked with
@@ -74,6 +77,8 @@ class Behaviour:
     chunk_delay_s: float = 0.0
     stall_s: float = 0.0
     cut_after: int | None = None
+    pause_after: int | None = None
+    pause_s: float = 0.0
     reset: bool = False
     sse_error: bool = False
     usage: bool = True
@@ -298,6 +303,8 @@ class _Handler(BaseHTTPRequestHandler):
                     time.sleep(b.chunk_delay_s)
                 text = f"answer {nonce} from {self.mock.node_id}" if k == 0 else f" part{k}"
                 event([piece(i, text, k == 0) for i in range(b.choices)])
+                if b.pause_after is not None and k + 1 == b.pause_after:
+                    time.sleep(b.pause_s)
                 if b.cut_after is not None and k + 1 >= b.cut_after:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)

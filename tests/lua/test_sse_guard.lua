@@ -104,4 +104,25 @@ H.test("an event over MAX_HOLD passes as it comes; the error event then starts a
     H.truthy(body:find("^data: x+\n\ndata: {"), body)
 end)
 
+H.test("cut: whole events pass, the held partial event is dropped, the shutdown error event ends it", function()
+    local st = guard.new()
+    local out = guard.step(st, EV1 .. "data: {\"par", false, false, "n1")
+    H.eq(out, EV1)
+    local last = guard.cut(st, out)
+    H.eq(last:sub(1, #EV1), EV1)
+    local ev = last:sub(#EV1 + 1)
+    H.truthy(ev:find('"code":"gateway_shutdown"', 1, true), ev)
+    H.truthy(ev:find('"type":"server_error"', 1, true), ev)
+    H.eq(ev:sub(-2), "\n\n")
+    -- once ended, nothing more: no second event, and no failure event from a later flush
+    H.eq(guard.cut(st, ""), nil)
+    H.eq(guard.step(st, "", false, true, "n1"), nil)
+end)
+
+H.test("cut after [DONE] changes nothing", function()
+    local st = guard.new()
+    guard.step(st, EV1 .. DONE, false, false, "n1")
+    H.eq(guard.cut(st, EV1 .. DONE), nil)
+end)
+
 H.done()

@@ -56,6 +56,10 @@ def test_defaults_fill_in():
     (MINIMAL.replace("models: [m]", "models: [m]\n    affinty: [user]"), "pools[0].affinty", "unknown field"),
     (MINIMAL.replace("models: [m]", "models: [m]\n    affinity: [user, cookie]"), "pools[0].affinity[1]", "session"),
     (MINIMAL.replace("models: [m]", "models: [m]\n    session_header: 'X Bad'"), "pools[0].session_header", "header"),
+    (MINIMAL + "gateway: {worker_shutdown_timeout_s: 300}\n", "gateway.worker_shutdown_timeout_s",
+     "read_timeout_s + 1 = 601"),
+    (MINIMAL + "gateway: {read_timeout_s: 30, worker_shutdown_timeout_s: 30}\n",
+     "gateway.worker_shutdown_timeout_s", "read_timeout_s + 1 = 31"),
     ("pools: []\n", "pools", "at least 1"),
     ("gateway: {}\n", "pools", "required"),
 ])

@@ -12,7 +12,7 @@ import re
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 AffinityKey = Literal["session", "user", "prefix"]
 Balancer = Literal["chash", "round_robin", "least_conn"]
@@ -61,13 +61,30 @@ class GatewayConfig(_Strict):
         "handshake per request.",
     )
     worker_shutdown_timeout_s: int = Field(
-        300, ge=1, description="How long old workers may finish streams after a reload (seconds)."
+        900, ge=1,
+        description="How long old workers may finish streams after a reload (seconds, nginx "
+        "`worker_shutdown_timeout`). Must be at least `read_timeout_s` + 1: a stream still sending "
+        "`worker_shutdown_timeout_s - read_timeout_s - 1` s after the reload is ended with an error event "
+        "(counted in `kvgate_stream_cuts_total`), and one silent then ends by the read timeout, so no stream "
+        "is ever cut without a word. With the defaults (600 s read timeout) streams may run 299 s past a reload.",
     )
 
     @field_validator("listen")
     @classmethod
     def _check_listen(cls, v: str) -> str:
         return _host_port(v)
+
+    @field_validator("worker_shutdown_timeout_s")
+    @classmethod
+    def _check_grace(cls, v: int, info: ValidationInfo) -> int:
+        # read_timeout_s is declared earlier, so it is validated (or missing, when invalid) here
+        read_timeout = info.data.get("read_timeout_s")
+        if read_timeout is not None and v < read_timeout + 1:
+            raise ValueError(
+                f"must be at least read_timeout_s + 1 = {read_timeout + 1:g} s: a stream silent when the reload "
+                "grace ends would otherwise be cut without an error event (lower read_timeout_s or raise this)"
+            )
+        return v
 
 
 class RedisConfig(_Strict):
@@ -118,6 +135,21 @@ class CacheConfig(_Strict):
     namespace_version: int = Field(
         1, ge=1, description="Part of every cache key: bump it to invalidate the whole cache at once."
     )
+    credential_header: str = Field(
+        "Authorization",
+        description="Request header holding the caller's credential (every value when it is repeated). Its "
+        "sha256 is part of every cache key, so callers with different credentials, or with none, never share "
+        "an entry and a hit never skips the engine's own authentication (`vllm serve --api-key`). Name the "
+        "header the engine, or the proxy in front of the gateway, authenticates with (`X-Api-Key`, ...). The "
+        "credential itself is never stored or logged.",
+    )
+
+    @field_validator("credential_header")
+    @classmethod
+    def _check_credential_header(cls, v: str) -> str:
+        if not _HEADER_RE.match(v):
+            raise ValueError(f"invalid header name {v!r}")
+        return v
 
 
 class NodeConfig(_Strict):
