@@ -7,7 +7,9 @@
 -- kvgate.redis.BREAKER_S so an unreachable Redis costs one timeout per second, not one
 -- per request.
 -- Entries hold the final completion JSON (rebuilt from the chunks for streams),
--- so a hit is replayed as SSE to a streaming client and as JSON otherwise.
+-- so a hit is replayed as SSE to a streaming client and as JSON otherwise. Only whole
+-- answers are stored (sse.finished), and every entry is scoped to the caller's
+-- credential (cache_key.credential of cfg.cache.credential_header).
 local cjson = require "cjson.safe"
 local json = require "kvgate.json"
 local cache_key = require "kvgate.cache_key"
@@ -39,7 +41,8 @@ local function cache_error(op, err)
 end
 
 --- lookup(cfg, ctx, req, endpoint, headers) -> cached completion JSON | nil
--- headers: ngx.req.get_headers() (every Cache-Control header counts, not only the first).
+-- headers: ngx.req.get_headers() (every Cache-Control header counts, not only the first;
+-- so does every value of the credential header).
 -- Sets ctx.cache (HIT|MISS|BYPASS), ctx.cache_reason and, on a miss, ctx.cache_key.
 function _M.lookup(cfg, ctx, req, endpoint, headers)
     ctx.cache = "BYPASS"
@@ -58,7 +61,14 @@ function _M.lookup(cfg, ctx, req, endpoint, headers)
         metrics.incr("kvgate_cache_errors_total", { op = "skipped" })
         return nil
     end
-    local key, kerr = cache_key.key(req, endpoint, cfg.tenant, ccfg.namespace_version)
+    -- Entries are scoped to the caller's credential (one sha256 of a header value), so a
+    -- hit never answers a caller the engine would have refused, and X-Kvgate-Cache tells
+    -- a caller only about its own requests. The header value itself goes no further.
+    local cred, kerr = cache_key.credential(headers[ccfg.credential_header or "authorization"])
+    local key
+    if cred then
+        key, kerr = cache_key.key(req, endpoint, cfg.tenant, ccfg.namespace_version, cred)
+    end
     if not key then
         cache_error("key", kerr)
         ctx.cache_reason = "key-error"
@@ -201,10 +211,17 @@ function _M.log(cfg, ctx)
         end
     else
         obj = cjson.decode(body)
-        if type(obj) ~= "table" or type(obj.choices) ~= "table" or obj.error then
+        if type(obj) ~= "table" or obj.error then
+            skipped("bad-body")
             return
         end
         value = body
+    end
+    -- Only a whole answer is replayed: at least one choice, each ended by the engine.
+    local done, why = sse.finished(obj)
+    if not done then
+        skipped(why)
+        return
     end
     -- A hit must carry the token usage clients account with; a stream sent without
     -- stream_options.include_usage has none, so it is served but not stored.

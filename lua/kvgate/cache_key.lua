@@ -1,7 +1,11 @@
 -- Response-cache key and cacheability. PURE.
 --
 -- key = "kvgate:resp:v<N>:<tenant>:" .. sha256(canonical JSON of
---        {endpoint, tenant, v, req = request minus EXCLUDED fields})
+--        {endpoint, tenant, v, cred, req = request minus EXCLUDED fields})
+-- cred is the digest of the caller's credential (credential()): callers with different
+-- credentials, or with none, never share an entry. Only that digest enters the material
+-- and the key is a hash of the material, so the credential never reaches Redis, and the
+-- key does not show which entries belong to one caller.
 -- Every other top-level field is part of the key, as sent: the model, the whole
 -- messages/prompt (system prompt included), tools, and every sampling/output
 -- parameter. A parameter that is absent is not the same as one sent with its
@@ -18,6 +22,8 @@ local format = string.format
 local byte = string.byte
 local lower = string.lower
 local find = string.find
+local tostring = tostring
+local concat = table.concat
 
 local _M = {}
 
@@ -25,7 +31,7 @@ local MAX_EXACT_INT = 2 ^ 53
 
 -- Fields that do not change the answer: transport (`stream`, `stream_options`:
 -- a hit is replayed in either form) and the end-user id (`user`, which OpenAI
--- uses for abuse monitoring; tenants scope the cache instead).
+-- uses for abuse monitoring; the credential, and later tenants, scope the cache instead).
 _M.EXCLUDED = { stream = true, stream_options = true, user = true }
 
 local function escape_scope(s)
@@ -34,20 +40,49 @@ local function escape_scope(s)
     end))
 end
 
---- material(req, endpoint, tenant, version) -> canonical string that is hashed
-function _M.material(req, endpoint, tenant, version)
+-- cred of a request without the credential header
+_M.NO_CREDENTIAL = "none"
+
+--- credential(value) -> digest | nil, err
+-- value: the credential header as ngx.req.get_headers() gives it: nil (absent), a string,
+-- or a list of strings (repeated header: every value counts, in order, since the engine
+-- may read any of them). Returns NO_CREDENTIAL for nil, else the sha256 hex of the
+-- values, each length-prefixed so no two lists of values give the same input.
+function _M.credential(value)
+    if value == nil then
+        return _M.NO_CREDENTIAL
+    end
+    local s
+    if type(value) == "table" then
+        local parts = {}
+        for i = 1, #value do
+            local v = tostring(value[i])
+            parts[i] = #v .. ":" .. v
+        end
+        s = concat(parts, ",")
+    else
+        s = #value .. ":" .. value
+    end
+    return hash.sha256_hex(s)
+end
+
+--- material(req, endpoint, tenant, version, cred) -> canonical string that is hashed
+-- cred: credential()'s digest (NO_CREDENTIAL when nil)
+function _M.material(req, endpoint, tenant, version, cred)
     local filtered = {}
     for k, v in pairs(req) do
         if not _M.EXCLUDED[k] then
             filtered[k] = v
         end
     end
-    return json.canonical({ endpoint = endpoint, tenant = tenant, v = version, req = filtered })
+    return json.canonical({ endpoint = endpoint, tenant = tenant, v = version,
+                            cred = cred or _M.NO_CREDENTIAL, req = filtered })
 end
 
---- key(req, endpoint, tenant, version) -> "kvgate:resp:v<N>:<tenant>:<sha256hex>" or nil, err
-function _M.key(req, endpoint, tenant, version)
-    local h, err = hash.sha256_hex(_M.material(req, endpoint, tenant, version))
+--- key(req, endpoint, tenant, version, cred) -> "kvgate:resp:v<N>:<tenant>:<sha256hex>" or nil, err
+-- cred: credential()'s digest of the caller's credential (NO_CREDENTIAL when nil)
+function _M.key(req, endpoint, tenant, version, cred)
+    local h, err = hash.sha256_hex(_M.material(req, endpoint, tenant, version, cred))
     if not h then
         return nil, err
     end

@@ -17,6 +17,16 @@ local EMPTY_ARRAY = json.EMPTY_ARRAY
 
 local _M = {}
 
+-- Text fields of a chat delta/message besides `content` that are concatenated over the
+-- chunks and replayed like it: the reasoning of reasoning models (vLLM and SGLang send
+-- `reasoning_content`; newer vLLM sends `reasoning`, some servers both).
+_M.TEXT_FIELDS = { "reasoning_content", "reasoning" }
+local TEXT_FIELDS = _M.TEXT_FIELDS
+
+-- finish_reason values that do not end a complete answer: vLLM's engine ends a request
+-- it aborted (client gone, preemption) or failed with these.
+local NOT_FINISHED = { abort = true, error = true }
+
 local function events(body)
     -- SSE events are separated by a blank line; the payload is the "data:" lines
     local out = {}
@@ -135,13 +145,24 @@ function _M.to_completion(body, endpoint)
                 local idx = type(c.index) == "number" and c.index or 0
                 local acc = choices[idx + 1]
                 if not acc then
-                    acc = { index = idx, parts = {}, tool_calls = {} }
+                    acc = { index = idx, parts = {}, tool_calls = {}, texts = {} }
                     choices[idx + 1] = acc
                 end
                 if endpoint == "chat" then
                     local d = type(c.delta) == "table" and c.delta or {}
                     if type(d.role) == "string" then acc.role = d.role end
                     if type(d.content) == "string" then acc.parts[#acc.parts + 1] = d.content end
+                    for _, f in ipairs(TEXT_FIELDS) do
+                        local v = d[f]
+                        if type(v) == "string" then
+                            local t = acc.texts[f]
+                            if not t then
+                                t = {}
+                                acc.texts[f] = t
+                            end
+                            t[#t + 1] = v
+                        end
+                    end
                     if type(d.tool_calls) == "table" and not merge_tool_calls(acc.tool_calls, d.tool_calls) then
                         return nil, "bad tool call"
                     end
@@ -177,6 +198,9 @@ function _M.to_completion(body, endpoint)
         if endpoint == "chat" then
             local msg = { role = acc.role or "assistant" }
             msg.content = (#acc.parts > 0 or #acc.tool_calls == 0) and concat(acc.parts) or null
+            for _, f in ipairs(TEXT_FIELDS) do
+                if acc.texts[f] then msg[f] = concat(acc.texts[f]) end
+            end
             if #acc.tool_calls > 0 then msg.tool_calls = acc.tool_calls end
             c.message = msg
         else
@@ -193,6 +217,29 @@ function _M.to_completion(body, endpoint)
         choices = out_choices,
         usage = usage,
     }
+end
+
+--- finished(obj) -> true | false, reason
+-- Whether a completion (JSON, or rebuilt from a stream) is a whole answer worth storing:
+-- at least one choice ("no-choices"), and every choice ended by the engine with a
+-- finish_reason ("unfinished": null or missing, as in a stream that reached [DONE]
+-- without one; "aborted": vLLM's `abort`/`error`).
+function _M.finished(obj)
+    local choices = type(obj) == "table" and obj.choices
+    if type(choices) ~= "table" or choices[1] == nil then
+        return false, "no-choices"
+    end
+    for i = 1, #choices do
+        local c = choices[i]
+        local fr = type(c) == "table" and c.finish_reason
+        if type(fr) ~= "string" or fr == "" then
+            return false, "unfinished"
+        end
+        if NOT_FINISHED[fr] then
+            return false, "aborted"
+        end
+    end
+    return true
 end
 
 local function data(t)
@@ -214,6 +261,14 @@ function _M.from_completion(obj, endpoint, include_usage)
             local m = type(c.message) == "table" and c.message or {}
             out[#out + 1] = data(base({ { index = c.index, delta = { role = m.role or "assistant", content = "" },
                                           finish_reason = null } }))
+            -- the reasoning first, in a chunk of its own, as an engine streams it
+            local thought = {}
+            for _, f in ipairs(TEXT_FIELDS) do
+                if type(m[f]) == "string" and m[f] ~= "" then thought[f] = m[f] end
+            end
+            if next(thought) then
+                out[#out + 1] = data(base({ { index = c.index, delta = thought, finish_reason = null } }))
+            end
             local delta = {}
             if type(m.content) == "string" and m.content ~= "" then delta.content = m.content end
             -- an empty list decodes to EMPTY_ARRAY (a string): no tool_calls key then

@@ -115,4 +115,37 @@ H.test("no-cache asks for revalidation, in any Cache-Control header", function()
     H.eq(cache_key.revalidate(nil), false)
 end)
 
+H.test("the credential scopes the key; only its digest enters the material", function()
+    local r = cjson.decode(BASE)
+    local none = cache_key.credential(nil)
+    local a = assert(cache_key.credential("Bearer sk-a"))
+    local b = assert(cache_key.credential("Bearer sk-b"))
+    H.eq(none, cache_key.NO_CREDENTIAL)
+    H.eq(#a, 64)
+    H.ne(a, b)
+    H.eq(cache_key.credential("Bearer sk-a"), a)
+    local keys = {}
+    for _, cred in ipairs({ none, a, b, assert(cache_key.credential("")) }) do
+        local k = cache_key.key(r, "chat", "default", 1, cred)
+        H.truthy(k:match("^kvgate:resp:v1:default:%x+$"), k)
+        H.truthy(not keys[k], "two credentials share " .. k)
+        keys[k] = true
+        H.truthy(not cache_key.material(r, "chat", "default", 1, cred):find("sk-", 1, true))
+    end
+    -- nil cred is the anonymous caller
+    H.eq(cache_key.key(r, "chat", "default", 1), cache_key.key(r, "chat", "default", 1, none))
+end)
+
+H.test("every value of a repeated credential header counts, in order", function()
+    local one = cache_key.credential("Bearer x")
+    H.eq(cache_key.credential({ "Bearer x" }), one)
+    local seen = { [one] = true }
+    for _, v in ipairs({ { "Bearer x", "Bearer y" }, { "Bearer y", "Bearer x" }, { "Bearer x,", "Bearer y" },
+                         { "Bearer x", ",Bearer y" }, { "Bearer x", "" } }) do
+        local d = cache_key.credential(v)
+        H.truthy(not seen[d], table.concat(v, "|") .. " collides")
+        seen[d] = true
+    end
+end)
+
 H.done()

@@ -122,4 +122,80 @@ H.test("json.decode_keep / encode_keep keep [] apart from {}", function()
     H.truthy(json.encode_keep(t):find('"d":[1,[]]', 1, true))
 end)
 
+H.test("finished: at least one choice, each with a finish_reason", function()
+    H.truthy(sse.finished(assert(sse.to_completion(STREAM, "chat"))))
+    local unfinished = STREAM:gsub('"finish_reason":"stop"', '"finish_reason":null')
+    local obj = assert(sse.to_completion(unfinished, "chat"))
+    H.eq(obj.choices[1].message.content, "Hello world")
+    local ok, why = sse.finished(obj)
+    H.eq(ok, false)
+    H.eq(why, "unfinished")
+    -- usage and [DONE] only: no choice at all
+    local empty = 'data: {"id":"e","choices":[],"usage":{"total_tokens":1}}\n\ndata: [DONE]\n\n'
+    H.eq(select(2, sse.finished(assert(sse.to_completion(empty, "chat")))), "no-choices")
+    -- JSON bodies, as cjson and json.decode_keep decode them
+    H.eq(select(2, sse.finished(cjson.decode('{"choices":[]}'))), "no-choices")
+    H.eq(select(2, sse.finished(json.decode_keep('{"choices":[]}'))), "no-choices")
+    H.eq(select(2, sse.finished(cjson.decode('{"object":"chat.completion"}'))), "no-choices")
+    H.eq(select(2, sse.finished(cjson.decode('{"choices":[{"index":0}]}'))), "unfinished")
+    H.eq(select(2, sse.finished(cjson.decode('{"choices":[{"index":0,"finish_reason":""}]}'))), "unfinished")
+    H.eq(select(2, sse.finished(cjson.decode('{"choices":[{"index":0,"finish_reason":"abort"}]}'))), "aborted")
+    -- one unfinished choice of two keeps the whole answer out
+    H.eq(select(2, sse.finished(cjson.decode(
+        '{"choices":[{"index":0,"finish_reason":"stop"},{"index":1,"finish_reason":null}]}'))), "unfinished")
+    H.truthy(sse.finished(cjson.decode(
+        '{"choices":[{"index":0,"finish_reason":"stop"},{"index":1,"finish_reason":"length"}]}')))
+    local two = 'data: {"id":"t","choices":[{"index":0,"text":"a","finish_reason":"stop"},' ..
+        '{"index":1,"text":"b","finish_reason":null}]}\n\ndata: [DONE]\n\n'
+    H.eq(select(2, sse.finished(assert(sse.to_completion(two, "completions")))), "unfinished")
+end)
+
+local REASONING_STREAM = table.concat({
+    chunk({ index = 0, delta = { role = "assistant", content = "" }, finish_reason = cjson.null }),
+    chunk({ index = 0, delta = { reasoning_content = "Think ", reasoning = "Think " }, finish_reason = cjson.null }),
+    chunk({ index = 0, delta = { reasoning_content = "hard.", reasoning = "hard." }, finish_reason = cjson.null }),
+    chunk({ index = 0, delta = { content = "4" }, finish_reason = "stop" }),
+    'data: [DONE]\n\n',
+})
+
+H.test("reasoning is kept like content: stream -> completion -> stream", function()
+    local obj = assert(sse.to_completion(REASONING_STREAM, "chat"))
+    local msg = obj.choices[1].message
+    H.eq(msg.content, "4")
+    H.eq(msg.reasoning_content, "Think hard.")
+    H.eq(msg.reasoning, "Think hard.")
+    local body = sse.from_completion(obj, "chat", false)
+    local back = assert(sse.to_completion(body, "chat"))
+    H.eq(back.choices[1].message.reasoning_content, "Think hard.")
+    H.eq(back.choices[1].message.reasoning, "Think hard.")
+    H.eq(back.choices[1].message.content, "4")
+    -- the reasoning is replayed before the content
+    H.truthy(body:find("reasoning_content", 1, true) < body:find('"content":"4"', 1, true), body)
+    -- only the field that came is rebuilt; an answer without reasoning gets none
+    local only = table.concat({
+        chunk({ index = 0, delta = { role = "assistant", content = "" }, finish_reason = cjson.null }),
+        chunk({ index = 0, delta = { reasoning_content = "Think " }, finish_reason = cjson.null }),
+        chunk({ index = 0, delta = { reasoning_content = "hard." }, finish_reason = cjson.null }),
+        chunk({ index = 0, delta = { content = "4" }, finish_reason = "stop" }),
+        'data: [DONE]\n\n',
+    })
+    local m2 = assert(sse.to_completion(only, "chat")).choices[1].message
+    H.eq(m2.reasoning_content, "Think hard.")
+    H.eq(m2.reasoning, nil)
+    local plain = sse.from_completion(assert(sse.to_completion(STREAM, "chat")), "chat", false)
+    H.truthy(not plain:find("reasoning", 1, true), plain)
+end)
+
+H.test("a JSON answer with reasoning replays it in deltas", function()
+    local entry = json.decode_keep('{"id":"r","object":"chat.completion","created":1,"model":"m","choices":[' ..
+        '{"index":0,"message":{"role":"assistant","content":"4","reasoning_content":"why","reasoning":"why"},' ..
+        '"finish_reason":"stop","logprobs":null}],"usage":{"total_tokens":3}}')
+    local body = sse.from_completion(entry, "chat", true)
+    local back = assert(sse.to_completion(body, "chat"))
+    H.eq(back.choices[1].message.reasoning_content, "why")
+    H.eq(back.choices[1].message.reasoning, "why")
+    H.eq(back.choices[1].finish_reason, "stop")
+    H.eq(back.usage.total_tokens, 3)
+end)
+
 H.done()

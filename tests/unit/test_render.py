@@ -58,6 +58,7 @@ def test_demo_renders_both_files() -> None:
     assert data["nodes_by_addr"]["127.0.0.1:8101"] == "n1"
     assert data["pools"]["default"]["session_header"] == "X-Session-Id"
     assert data["cache"]["namespace_version"] == 1
+    assert data["cache"]["credential_header"] == "authorization"
     assert data["redis"] == {"host": "127.0.0.1", "port": 6390, "db": 0, "timeout_ms": 200, "pool_size": 64}
 
 
