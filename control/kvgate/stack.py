@@ -346,7 +346,9 @@ class Stack:
             if result in ("started", "restarted"):
                 started.append("redis")
             sims = [n for n in policy.nodes() if n.simulate]
-            self._per_node("sim", sims, lambda node: self.start_sim(policy, node), echo, started)
+            # the simulators of removed nodes stop only once the policy is applied: the control
+            # plane refuses to remove a node that still has work, and its engine must keep serving
+            self._per_node("sim", sims, lambda node: self.start_sim(policy, node), echo, started, stop_others=False)
             self._wait_healthy(policy, sims, timeout)
             if self._control_keeps(policy):
                 # the running control plane owns nginx: the policy goes through its API
@@ -360,6 +362,7 @@ class Stack:
                 echo(f"control   {result}")
                 if result in ("started", "restarted"):
                     started.append("control")
+            self._stop_unlisted("sim", sims, echo)
             self._per_node("agent", sims, lambda node: self.start_agent(policy, node), echo, started)
         except BaseException:
             # Leave nothing half-started behind: stop what this call started (and only that),
@@ -466,14 +469,21 @@ class Stack:
         Returns ``started``, ``running`` or ``restarted``."""
         return self._keep_or_spawn(f"agent-{node.id}", self.agent_command(policy, node))
 
-    def _per_node(self, kind: str, nodes: list[NodeConfig], start, echo, started: list[str]) -> None:
+    def _per_node(self, kind: str, nodes: list[NodeConfig], start, echo, started: list[str],
+                  stop_others: bool = True) -> None:
         """Start (or keep) one ``<kind>-<node>`` process per node with ``start(node)``, note the
-        ones started in ``started``, and stop the ``<kind>-*`` processes of nodes not listed."""
+        ones started in ``started``, and (``stop_others``) stop the ``<kind>-*`` processes of nodes
+        not listed."""
         for node in nodes:
             result = start(node)
             echo(f"{f'{kind}-{node.id}':<9} {result}")
             if result in ("started", "restarted"):
                 started.append(f"{kind}-{node.id}")
+        if stop_others:
+            self._stop_unlisted(kind, nodes, echo)
+
+    def _stop_unlisted(self, kind: str, nodes: list[NodeConfig], echo) -> None:
+        """Stop the ``<kind>-*`` processes of nodes not in ``nodes``."""
         wanted = {f"{kind}-{n.id}" for n in nodes}
         for f in sorted(self.pids.glob(f"{kind}-*.pid")):
             if f.stem not in wanted and self._stop_pid(f.stem):

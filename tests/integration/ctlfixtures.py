@@ -25,7 +25,7 @@ FAST = """
 control: {{listen: "127.0.0.1:{control}", tick_s: 0.2, report_interval_s: 0.5}}
 health: {{probe_interval_s: 0.5, probe_timeout_s: 0.5, eject_after: 2, recover_after: 2, missing_reports: 4}}
 ramp: {{steps: [0.25, 0.5, 1.0], step_interval_s: 1.0}}
-drain: {{timeout_s: 120}}
+drain: {{timeout_s: {drain_timeout_s}}}
 """
 
 
@@ -44,6 +44,9 @@ class Fleet:
     kw: dict[str, Any] = field(default_factory=dict)
     token: str = ""
     session: requests.Session = field(default_factory=requests.Session)
+    external: dict[str, str] = field(default_factory=dict)
+    """Node id → URL of an engine the test runs itself (e.g. a mockengine.MockEngine): the policy
+    lists it with ``simulate: false``, so ``kvgate up`` starts no simulator and no agent for it."""
 
     @property
     def gateway(self) -> str:
@@ -54,7 +57,7 @@ class Fleet:
         return f"http://127.0.0.1:{self.control_port}"
 
     def node_url(self, node_id: str) -> str:
-        return f"http://127.0.0.1:{self.node_ports[node_id]}"
+        return self.external.get(node_id) or f"http://127.0.0.1:{self.node_ports[node_id]}"
 
     def kvgate(self, *args: str, timeout: float = 180):
         return kvgate_cli(self.run_dir, *args, timeout=timeout)
@@ -132,11 +135,12 @@ class Fleet:
 
 def default_template(fleet: Fleet, *, nodes: list[str] | None = None, weights: dict[str, int] | None = None,
                      extra: str = "", pool_extra: str = "", sim: str = "time_scale: 0.05",
-                     balancer: str = "chash", gateway_extra: str = "") -> str:
+                     balancer: str = "chash", gateway_extra: str = "", drain_timeout_s: float = 120) -> str:
     nodes = nodes if nodes is not None else sorted(fleet.node_ports)
     weights = weights or {}
     lines = "\n".join(
-        f'      - {{id: {n}, url: "{fleet.node_url(n)}", simulate: true, weight: {weights.get(n, 1)}}}' for n in nodes)
+        f'      - {{id: {n}, url: "{fleet.node_url(n)}", simulate: {"false" if n in fleet.external else "true"}, '
+        f'weight: {weights.get(n, 1)}}}' for n in nodes)
     return f"""
 version: 1
 gateway: {{listen: "127.0.0.1:{fleet.gateway_port}", debug_headers: true{gateway_extra}}}
@@ -149,15 +153,16 @@ pools:
     nodes:
 {lines}
 simulator: {{model: {MODEL}, {sim}}}
-{FAST.format(control=fleet.control_port)}
+{FAST.format(control=fleet.control_port, drain_timeout_s=drain_timeout_s)}
 {extra}
 """
 
 
 @pytest.fixture
 def control_fleet(tmp_path: Path) -> Iterator[Callable[..., Fleet]]:
-    """Factory: ``control_fleet(n=3, start=3, **template_kw)`` starts a stack whose policy
-    lists the first ``start`` of ``n`` reserved nodes (the rest can join later)."""
+    """Factory: ``control_fleet(n=3, start=3, external=None, **template_kw)`` starts a stack whose
+    policy lists the first ``start`` of ``n`` reserved nodes (the rest can join later);
+    ``external`` maps node ids to engines the test started (see :attr:`Fleet.external`)."""
     yield from _fleets(tmp_path)
 
 
@@ -166,10 +171,11 @@ def _fleets(base: Path) -> Iterator[Callable[..., Fleet]]:
     fleets: list[Fleet] = []
 
     def make(n: int = 3, start: int | None = None, template: Callable[..., str] = default_template,
-             **kw: Any) -> Fleet:
+             external: dict[str, str] | None = None, **kw: Any) -> Fleet:
         fleet = Fleet(tmp=base, run_dir=base / f"run{len(fleets)}", policy_path=base / f"policy{len(fleets)}.yaml",
                       gateway_port=free_port(), redis_port=free_port(), control_port=free_port(),
-                      node_ports={f"n{i + 1}": free_port() for i in range(n)}, template=template, kw=kw)
+                      node_ports={f"n{i + 1}": free_port() for i in range(n)}, template=template, kw=kw,
+                      external=dict(external or {}))
         fleets.append(fleet)
         fleet.kw["nodes"] = sorted(fleet.node_ports)[: start if start is not None else n]
         fleet.write_policy()

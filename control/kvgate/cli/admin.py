@@ -93,24 +93,27 @@ def nodes_command(ctx, as_json: bool, control_url, token) -> None:
 
 @click.command("drain")
 @click.argument("node")
-@click.option("--wait", is_flag=True, help="Wait until the node is drained (exit 0), or the timeout (exit 1).")
+@click.option("--wait", is_flag=True, help="Wait until the node is drained (exit 0); exit 1 when --timeout "
+              "passes, or the drain ended by drain.timeout_s with requests still in flight.")
 @click.option("--timeout", default=900.0, show_default=True, help="Seconds --wait waits.")
 @click.option("--force", is_flag=True, help="Drain even the last serving node of its pool (its pool then fails).")
 @connection
 @click.pass_context
 def drain_command(ctx, node: str, wait: bool, timeout: float, force: bool, control_url, token) -> None:
     """Stop new requests reaching NODE; with --wait, return once its in-flight requests finished.
-    Draining a draining or drained node is not an error."""
+    Draining a draining or drained node is not an error. With --wait, a drain that ended by its
+    timeout (drain.timeout_s) with requests still in flight exits 1 and says how many."""
     from ..control.client import ControlError
 
     client = _client(ctx, control_url, token)
+    last, polling = None, False
     try:
         n = client.action(node, "drain?force=true" if force else "drain")
         click.echo(f"{node}: {n['state']}")
         if not wait:
             return
         deadline = time.monotonic() + timeout
-        last = None
+        polling = True
         while n["state"] == "draining":
             if time.monotonic() > deadline:
                 click.echo(f"error: {node} still draining after {timeout:.0f}s", err=True)
@@ -123,15 +126,36 @@ def drain_command(ctx, node: str, wait: bool, timeout: float, force: bool, contr
                 click.echo(f"{node}: draining, in flight: gateway {_num(now[0])}, engine {_num(now[1])}")
                 last = now
     except ControlError as exc:
+        if exc.status == 404 and polling:
+            g, e = last or (None, None)
+            click.echo(f"error: {node} was removed from the policy while it was draining (in flight when last "
+                       f"seen: gateway {_num(g)}, engine {_num(e)})", err=True)
+            sys.exit(1)
         _fail(exc)
     if n["state"] != "drained":
         click.echo(f"error: {node} is {n['state']} ({n.get('reason')})", err=True)
+        sys.exit(1)
+    d = n.get("drain") or {}
+    if d.get("timed_out"):
+        g, e = d.get("inflight_gateway"), d.get("inflight_engine")
+        known = [v for v in (g, e) if v is not None]
+        count = f"{max(known):.0f} request(s)" if known else "an unknown number of requests"
+        took = (d.get("deadline") or 0) - (d.get("started") or 0)
+        click.echo(f"error: {node}: the drain timed out after {took:.0f}s with {count} still in flight (gateway "
+                   f"{_num(g)}, engine {_num(e)}): it takes no new requests, but stopping its engine now cuts "
+                   "what is in flight; follow it with `kvgate nodes`", err=True)
         sys.exit(1)
     click.echo(f"{node}: drained ({n.get('reason')})")
 
 
 def _num(v) -> str:
     return "?" if v is None else f"{v:.0f}"
+
+
+def _work(b: dict) -> str:
+    """What a node of a ``node_has_work`` refusal still has (state and in-flight counts)."""
+    return (f"{b.get('state')}, {b.get('inflight', 0)} request(s) in flight: {_num(b.get('inflight_gateway'))} "
+            f"at the gateway, {_num(b.get('inflight_engine'))} at the engine")
 
 
 @click.command("undrain")
@@ -185,11 +209,14 @@ def warm_command(ctx, node: str, wait: bool, control_url, token) -> None:
 
 @click.command("apply")
 @click.argument("policy", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Remove nodes that still have work (requests in flight, or a drain "
+              "not finished): their keys move at once and their requests are left to end on them.")
 @connection
 @click.pass_context
-def apply_command(ctx, policy: Path, control_url, token) -> None:
+def apply_command(ctx, policy: Path, force: bool, control_url, token) -> None:
     """Apply POLICY through the control plane (validated, nginx -t, reload; the running config
-    keeps serving on any error)."""
+    keeps serving on any error). A POLICY that drops a node that still has work is refused
+    (exit 2) unless --force: drain the node first (`kvgate drain NODE --wait`)."""
     from ..control.client import ControlError
 
     try:
@@ -202,8 +229,22 @@ def apply_command(ctx, policy: Path, control_url, token) -> None:
         sys.exit(2)
     client = _client(ctx, control_url, token)
     try:
-        res = client.apply(text, source=f"kvgate apply {policy}")
+        res = client.apply(text, source=f"kvgate apply {policy}", force=force)
     except ControlError as exc:
+        if exc.code == "node_has_work":
+            busy = exc.error.get("nodes") or []
+            if len(busy) == 1:
+                click.echo(f"error: {policy} not applied: node {busy[0]['id']} still has work ({_work(busy[0])})",
+                           err=True)
+            else:
+                click.echo(f"error: {policy} not applied: {len(busy)} nodes still have work:", err=True)
+                for b in busy:
+                    click.echo(f"  {b['id']} ({_work(b)})", err=True)
+            waits = "; ".join(f"`kvgate drain {b['id']} --wait`" for b in busy)
+            click.echo(f"  drain first and wait ({waits}), then apply again; or `kvgate apply --force {policy}` "
+                       "removes now (keys move at once, requests in flight are left to end on the node).\n"
+                       "  The running config keeps serving.", err=True)
+            sys.exit(2)
         if exc.issues:
             click.echo(f"error: invalid policy {policy}:", err=True)
             for i in exc.issues:

@@ -44,7 +44,7 @@ from flask_wtf.csrf import CSRFError, CSRFProtect
 from ..policy import PolicyError
 from ..policy.locate import lines_of
 from . import states as st
-from .plane import ApplyError, Conflict, ControlPlane, NotFound
+from .plane import ApplyError, Conflict, ControlPlane, NodeHasWork, NotFound
 from .states import InvalidTransition
 from .store import StoreError
 
@@ -749,6 +749,12 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
                 return _json_error(422, "invalid policy", "invalid_request_error", "invalid_policy",
                                    issues=[{"path": i.path, "reason": i.reason} for i in exc.issues])
             return policy_page(text, 422, result=check(text), base_version=base)
+        except NodeHasWork as exc:  # the page has no force: drain first (the API and CLI can force)
+            if _wants_json():
+                return _json_error(409, str(exc), "conflict_error", "node_has_work", nodes=exc.nodes)
+            result = check(text)
+            result["apply_error"] = f"{str(exc)[:1].upper()}{str(exc)[1:]}."  # says the running one serves
+            return policy_page(text, 409, result=result, base_version=base)
         except ApplyError as exc:
             if _wants_json():
                 return _json_error(500, f"not applied; the running config keeps serving: {exc}", "server_error",
@@ -791,6 +797,8 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
             return done(str(exc.args[0]), 404, "error", back=back)
         except PolicyError as exc:
             return done("; ".join(str(i) for i in exc.issues), 422, "error", back=back)
+        except NodeHasWork as exc:
+            return done(str(exc), 409, "error", back=back)
         except ApplyError as exc:
             return done(f"not applied; the running config keeps serving: {exc}", 500, "error", back=back)
         except StoreError as exc:

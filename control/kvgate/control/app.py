@@ -21,9 +21,11 @@ POST     /api/v1/nodes/<id>/warm                run the warm-up now (202)
 GET      /api/v1/pools                          balancer in force, overload degrade
 GET      /api/v1/policy                         the running policy (YAML text and version)
 POST     /api/v1/policy/validate                422 with field paths, or 200
-PUT      /api/v1/policy                         apply (422 bad policy, 500 nginx refused it)
+PUT      /api/v1/policy                         apply (422 bad policy, 500 nginx refused it, 409
+                                               ``node_has_work``: it drops a node with work, unless
+                                               ``?force=true``)
 GET      /api/v1/policy/versions                applied versions, newest first
-POST     /api/v1/policy/versions/<n>/rollback   apply version n again
+POST     /api/v1/policy/versions/<n>/rollback   apply version n again (``?force=true`` as for PUT)
 GET      /api/v1/events                         newest first; ``?node=&kind=&limit=&before=``
 =======  =====================================  ==================================================
 """
@@ -38,7 +40,7 @@ from flask import Flask, Response, jsonify, redirect, render_template, request
 
 from ..policy import PolicyError
 from .admin import init_admin
-from .plane import ApplyError, Conflict, ControlPlane, NotFound
+from .plane import ApplyError, Conflict, ControlPlane, NodeHasWork, NotFound
 from .report import ReportError, check_report
 from .states import InvalidTransition
 from .store import StoreError
@@ -62,6 +64,11 @@ def _policy_text() -> str:
             raise ValueError('expected a JSON object {"yaml": "<policy text>"} or a YAML body')
         return body["yaml"]
     return request.get_data(as_text=True)
+
+
+def _force() -> bool:
+    """The ``?force=true`` flag (also ``1``, ``yes``)."""
+    return request.args.get("force", "").lower() in ("1", "true", "yes")
 
 
 def create_app(plane: ControlPlane, token: str) -> Flask:
@@ -106,6 +113,11 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
     @app.errorhandler(Conflict)
     def _refused(exc: Conflict):
         return _error(409, str(exc), "conflict_error", "conflict")
+
+    @app.errorhandler(NodeHasWork)
+    def _has_work(exc: NodeHasWork):
+        return _error(409, str(exc), "conflict_error", "node_has_work", nodes=exc.nodes,
+                      inflight=sum(n["inflight"] for n in exc.nodes))
 
     @app.errorhandler(PolicyError)
     def _bad_policy(exc: PolicyError):
@@ -179,8 +191,7 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
 
     @app.post("/api/v1/nodes/<node_id>/drain")
     def drain(node_id: str):
-        force = request.args.get("force", "").lower() in ("1", "true", "yes")
-        return jsonify(plane.drain(node_id, reason="API", force=force)), 202
+        return jsonify(plane.drain(node_id, reason="API", force=_force())), 202
 
     @app.post("/api/v1/nodes/<node_id>/undrain")
     def undrain(node_id: str):
@@ -213,7 +224,7 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
     @app.put("/api/v1/policy")
     def policy_apply():
         source = request.headers.get("X-Kvgate-Source", "API")[:100]
-        return jsonify(plane.apply_policy(_policy_text(), source))
+        return jsonify(plane.apply_policy(_policy_text(), source, force=_force()))
 
     @app.get("/api/v1/policy/versions")
     def versions():
@@ -221,7 +232,7 @@ def create_app(plane: ControlPlane, token: str) -> Flask:
 
     @app.post("/api/v1/policy/versions/<int:version>/rollback")
     def rollback(version: int):
-        return jsonify(plane.rollback(version, by="API"))
+        return jsonify(plane.rollback(version, by="API", force=_force()))
 
     @app.get("/api/v1/events")
     def events():

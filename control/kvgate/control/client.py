@@ -13,12 +13,16 @@ from .token import TOKEN_FILE, read_token
 
 class ControlError(RuntimeError):
     """The API answered an error or could not be reached. ``status`` is the HTTP status (0: no answer),
-    ``issues`` the field problems of a rejected policy."""
+    ``issues`` the field problems of a rejected policy, ``code`` the error's code (``node_has_work``,
+    ``invalid_transition``, …; None without one) and ``error`` the whole ``error`` object ({} without one)."""
 
-    def __init__(self, message: str, status: int = 0, issues: list[dict[str, str]] | None = None):
+    def __init__(self, message: str, status: int = 0, issues: list[dict[str, str]] | None = None,
+                 code: str | None = None, error: dict[str, Any] | None = None):
         super().__init__(message)
         self.status = status
         self.issues = issues or []
+        self.code = code
+        self.error = error or {}
 
 
 def resolve(run_dir: Path, url: str | None = None, token: str | None = None) -> tuple[str, str]:
@@ -76,7 +80,9 @@ class ControlClient:
             err = (body or {}).get("error") if isinstance(body, dict) else None
             message = err.get("message") if isinstance(err, dict) else resp.text[:300]
             issues = err.get("issues") if isinstance(err, dict) else None
-            raise ControlError(f"HTTP {resp.status_code}: {message}", resp.status_code, issues)
+            raise ControlError(f"HTTP {resp.status_code}: {message}", resp.status_code, issues,
+                               code=err.get("code") if isinstance(err, dict) else None,
+                               error=err if isinstance(err, dict) else None)
         return body
 
     def nodes(self) -> list[dict[str, Any]]:
@@ -88,8 +94,10 @@ class ControlClient:
     def action(self, node_id: str, action: str) -> dict[str, Any]:
         return self._call("POST", f"/api/v1/nodes/{node_id}/{action}")
 
-    def apply(self, yaml_text: str, source: str = "kvgate apply") -> dict[str, Any]:
+    def apply(self, yaml_text: str, source: str = "kvgate apply", force: bool = False) -> dict[str, Any]:
+        """``PUT /api/v1/policy``; ``force`` removes nodes that still have work (else 409 ``node_has_work``)."""
         return self._call("PUT", "/api/v1/policy", data=yaml_text.encode(), timeout=120,
+                          params={"force": "true"} if force else None,
                           headers={"Content-Type": "application/yaml", "X-Kvgate-Source": source})
 
     def validate(self, yaml_text: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import re
 import subprocess
 import threading
 import time
@@ -70,6 +71,28 @@ class NotFound(KeyError):
 class Conflict(RuntimeError):
     """The action is refused in the current situation (the API answers 409): a warm-up already
     runs, or draining would leave a pool without a serving node."""
+
+
+class NodeHasWork(Conflict):
+    """A policy apply would remove nodes that still have work (the API answers 409,
+    ``code: node_has_work``); nothing was applied.
+
+    ``nodes``: ``[{"id", "state", "inflight": int (the larger known count), "inflight_gateway":
+    float | None, "inflight_engine": float | None}]``."""
+
+    def __init__(self, message: str, nodes: list[dict[str, Any]]):
+        super().__init__(message)
+        self.nodes = nodes
+
+
+def _work_text(b: dict[str, Any]) -> str:
+    """``draining, 10 request(s) in flight: 10 at the gateway, 9 at the engine`` for a
+    :class:`NodeHasWork` entry."""
+    def num(v: float | None) -> str:
+        return "?" if v is None else f"{v:.0f}"
+
+    return (f"{b['state']}, {b['inflight']} request(s) in flight: {num(b['inflight_gateway'])} at the "
+            f"gateway, {num(b['inflight_engine'])} at the engine")
 
 
 def connect_address(listen: str) -> str:
@@ -120,7 +143,8 @@ class ControlMetrics:
         self.reloads = Counter("kvgate_control_reloads", "Gateway config applies by result "
                                "(reloaded, started, written, unchanged, failed).", ["result"], registry=r)
         self.policy_applies = Counter("kvgate_control_policy_applies", "Policy applies by result "
-                                      "(applied, invalid, failed).", ["result"], registry=r)
+                                      "(applied, invalid, failed, refused: it would remove a node "
+                                      "that still has work).", ["result"], registry=r)
         self.transitions = Counter("kvgate_control_node_transitions", "Node state transitions.",
                                    ["node", "from_state", "to_state"], registry=r)
         self.state = Gauge("kvgate_control_node_state", "1 for the node's current state.", ["node", "state"], registry=r)
@@ -342,16 +366,21 @@ class ControlPlane:
 
         return render(policy, self.nginx.lua_dir, runtime)
 
-    def apply_policy(self, text: str, source: str) -> dict[str, Any]:
+    def apply_policy(self, text: str, source: str, force: bool = False) -> dict[str, Any]:
         """Validate and apply a policy as one transaction.
+
+        A policy that drops a node that still has work (see :meth:`_removal_work`) is refused
+        unless ``force``; a forced removal says in its ``node_removed`` event what was in flight.
 
         Returns ``{"version": n, "result": "reloaded"|"unchanged"|..., "changed": bool}``.
 
         Raises:
             PolicyError: invalid (nothing changed; counted as ``invalid``).
+            NodeHasWork: it would remove a node with work (nothing changed; counted as ``refused``).
             ApplyError: nginx refused the rendered config or failed to reload (the running
                 config keeps serving; an event and ``kvgate_control_reloads_total{result="failed"}``).
         """
+        figures = self._removal_figures(text)  # network I/O, before the lock when the caller holds none
         with self.lock:
             if self.policy is not None and not self.store.ping():
                 # applied but recorded nowhere, it could neither be listed nor rolled back
@@ -368,6 +397,13 @@ class ControlPlane:
                             + (f" (+{len(exc.issues) - 5} more)" if len(exc.issues) > 5 else ""),
                             issues=[{"path": i.path, "reason": i.reason} for i in exc.issues])
                 raise
+            busy = self._removal_work(policy, figures) if self.policy is not None else []
+            if busy and not force:
+                self.metrics.policy_applies.labels("refused").inc()
+                message = self._removal_refusal(busy)
+                self._event("policy_rejected", f"policy from {source} refused: {message.split('; ')[0]}",
+                            nodes=busy)
+                raise NodeHasWork(f"policy not applied: {message}", busy)
             # deep copies: _adopt and the weight updates change the records in place (url, base weight)
             old = (self.policy, getattr(self, "_policy_text", None), copy.deepcopy(self.nodes),
                    copy.deepcopy(self.pools))
@@ -394,6 +430,11 @@ class ControlPlane:
                     except StoreError as store_exc:
                         log.warning("%s", store_exc)
                 raise
+            forced = {b["id"]: b for b in busy}
+            self._pending_events = [
+                (kind, f"{message} (forced while it still had work: {_work_text(forced[where['node']])})"
+                 if kind == "node_removed" and where.get("node") in forced else message, where)
+                for kind, message, where in self._pending_events]
             self._flush_pending_events()
             digest = hashlib.sha256(text.encode()).hexdigest()[:16]
             try:
@@ -432,6 +473,62 @@ class ControlPlane:
         if issues:
             raise PolicyError("policy", issues)
 
+    def _removal_figures(self, text: str) -> dict[str, Any] | None:
+        """In-flight figures of the nodes ``text`` would remove, read now (network I/O):
+        ``{"gateway": <_fetch_gateway snapshot>, "engine": {node id: _engine_inflight(url)}}``,
+        or None when it removes none (or does not parse: the apply then refuses it anyway)."""
+        with self.lock:
+            if self.policy is None:
+                return None
+            listen = self.policy.gateway.listen
+            current = {node_id: rec["url"] for node_id, rec in self.nodes.items()}
+        try:
+            wanted = {n.id for n in parse_policy_text(text, "policy").nodes()}
+        except Exception:  # noqa: BLE001 - the apply reports what is wrong with it
+            return None
+        removed = {node_id: url for node_id, url in current.items() if node_id not in wanted}
+        if not removed:
+            return None
+        with ThreadPoolExecutor(max_workers=min(16, len(removed))) as ex:
+            engine = dict(zip(removed, ex.map(self._engine_inflight, removed.values())))
+        return {"gateway": self._fetch_gateway(listen), "engine": engine}
+
+    def _removal_work(self, policy: Policy, figures: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """The nodes ``policy`` removes that still have work, in the shape of :class:`NodeHasWork`.
+
+        A node has work when requests are in flight on it — at the gateway
+        (``kvgate_upstream_inflight``) or at the engine (running + waiting), whatever its state,
+        an ``active`` node with traffic included: drain it first — or when it is ``draining``
+        (its drain has not confirmed it idle yet). A count that cannot be read is not held
+        against it. ``figures``: from :meth:`_removal_figures` (None: nothing read; a node
+        removed since is judged on its state)."""
+        wanted = {n.id for n in policy.nodes()}
+        snap = (figures or {}).get("gateway") or {}
+        busy = []
+        for node_id, rec in self.nodes.items():
+            if node_id in wanted:
+                continue
+            g = snap["inflight"].get(node_id, 0.0) if snap.get("ok") else None
+            e = ((figures or {}).get("engine") or {}).get(node_id, (None, None))[0]
+            known = [c for c in (g, e) if c is not None]
+            inflight = int(max(known)) if known else 0
+            if inflight > 0 or rec["state"] == st.DRAINING:
+                busy.append({"id": node_id, "state": rec["state"], "inflight": inflight,
+                             "inflight_gateway": g, "inflight_engine": e})
+        return busy
+
+    @staticmethod
+    def _removal_refusal(busy: list[dict[str, Any]]) -> str:
+        """The 409 message for nodes with work (without the "policy not applied: " head)."""
+        ids = [b["id"] for b in busy]
+        what = ", ".join(f"{b['id']} ({_work_text(b)})" for b in busy)
+        one = len(busy) == 1
+        return (f"node{'' if one else 's'} {what} still {'has' if one else 'have'} work; drain "
+                f"{'it' if one else 'them'} first and wait for the drain "
+                f"({'; '.join(f'`kvgate drain {i} --wait`' for i in ids)}), then apply again, or force the "
+                "removal (`kvgate apply --force`, `?force=true` in the API): keys move at once and requests in "
+                "flight are left to end on the node. The running config keeps serving")
+
     def invalidate_cache(self, source: str) -> dict[str, Any]:
         """Invalidate the whole response cache at once: apply the running policy with
         ``cache.namespace_version`` one above the version in force (:attr:`namespace_in_force`;
@@ -456,12 +553,14 @@ class ControlPlane:
                         version=result["version"])
             return {"old": old, "new": new, **result}
 
-    def rollback(self, version: int, by: str | None = None) -> dict[str, Any]:
-        """Apply a stored version again (as a new version). Raises NotFound, PolicyError, ApplyError,
-        StoreError. The namespace version in force does not go back (see :attr:`namespace_in_force`)."""
+    def rollback(self, version: int, by: str | None = None, force: bool = False) -> dict[str, Any]:
+        """Apply a stored version again (as a new version). Raises NotFound, PolicyError, NodeHasWork
+        (unless ``force``), ApplyError, StoreError. The namespace version in force does not go back
+        (see :attr:`namespace_in_force`)."""
         for v in self.store.versions():
             if v["version"] == version:
-                return self.apply_policy(v["yaml"], f"rollback to version {version}" + (f" by {by}" if by else ""))
+                return self.apply_policy(v["yaml"], f"rollback to version {version}" + (f" by {by}" if by else ""),
+                                         force=force)
         raise NotFound(f"no stored policy version {version}")
 
     def _write_running_copy(self, text: str) -> None:
@@ -887,34 +986,46 @@ class ControlPlane:
                             node=rec["id"], pool=rec["pool"], step=step, fraction=rc.steps[step])
 
     # ----------------------------------------------------------------- drain
-    def _engine_inflight(self, url: str) -> float | None:
-        """running + waiting from the engine's own ``/metrics`` (scraped now).
+    def _engine_inflight(self, url: str) -> tuple[float | None, str | None]:
+        """``(running + waiting, None)`` from the engine's own ``/metrics``, scraped now.
 
-        0.0 when the engine refuses connections (a dead engine has nothing in flight); None
-        when it cannot be told (a timeout under load, an engine without vLLM/SGLang metrics):
-        the drain then does not count the node idle."""
+        ``(0.0, None)`` when the engine refuses connections (a dead engine has nothing in flight).
+        ``(None, why)`` when the engine answers but its figures are *unavailable*: ``/metrics``
+        answers 4xx or 501 (llama.cpp without ``--metrics``), or text without vLLM/SGLang figures
+        (TGI, any plain OpenAI server); a drain then decides on the gateway's count alone.
+        ``(None, None)`` when they cannot be told *now* (a timeout under load, a 5xx): unknown,
+        never idle."""
         from ..agent.collect import engine as scrape_engine
 
         figures = scrape_engine(url, timeout=2.0)
         if figures.get("running") is not None:
-            return float(figures.get("running") or 0) + float(figures.get("waiting") or 0)
-        if "connection failed" in str(figures.get("error") or ""):
-            return 0.0
-        return None
+            return float(figures.get("running") or 0) + float(figures.get("waiting") or 0), None
+        error = str(figures.get("error") or "")
+        if "connection failed" in error:
+            return 0.0, None
+        if error.startswith("GET /metrics: ") and ("no vLLM or SGLang" in error or "not Prometheus" in error
+                                                    or re.search(r"HTTP (4\d\d|501)\b", error)):
+            return None, error
+        return None, None
 
-    def _drain_round(self, now: float, engine_inflight: dict[str, float | None]) -> None:
+    def _drain_round(self, now: float, engine_inflight: dict[str, tuple[float | None, str | None]]) -> None:
         """Finish drains: a draining node whose gateway in-flight count (``kvgate_upstream_inflight``)
-        and engine running + waiting were both 0 on two checks in a row is drained."""
+        and engine running + waiting were both 0 on two checks in a row is drained. When the
+        engine's figures are unavailable (see :meth:`_engine_inflight`), the gateway's count
+        alone decides, and the drain record and reason say so (``decided_on: "gateway"``)."""
         for rec in self.nodes.values():
             if rec["state"] != st.DRAINING or rec["id"] not in engine_inflight:
                 continue
             d = rec["drain"]
             g = self._gateway["inflight"].get(rec["id"], 0.0) if self._gateway.get("ok") else None
-            e = engine_inflight[rec["id"]]
+            e, unavailable = engine_inflight[rec["id"]]
             d["inflight_gateway"], d["inflight_engine"] = g, e
+            d["engine_figures"] = f"unavailable: {unavailable}" if unavailable else None
+            d["decided_on"] = "gateway" if unavailable else "gateway and engine"
             self.metrics.inflight.labels(rec["id"]).set(max(g or 0.0, e or 0.0))
             # unknown (None) is never idle: drain.timeout_s ends such a drain
-            idle = g is not None and g <= 0 and e is not None and e <= 0 and now - d["started"] >= 1.0
+            engine_idle = (e is not None and e <= 0) or bool(unavailable)
+            idle = g is not None and g <= 0 and engine_idle and now - d["started"] >= 1.0
             if idle:
                 d["zero_checks"] = d.get("zero_checks", 0) + 1
             else:
@@ -923,13 +1034,18 @@ class ControlPlane:
             # streaming (the gateway relays as the engine produces), so the count leaked (an nginx
             # worker that crashed never ran its log phase).
             stuck = d.get("gateway_stuck")
-            if g is not None and g > 0 and engine_inflight[rec["id"]] == 0:
+            if g is not None and g > 0 and e == 0:
                 if not stuck or stuck[0] != g:
                     d["gateway_stuck"] = stuck = [g, now]
             else:
                 d["gateway_stuck"] = stuck = None
             if d["zero_checks"] >= 2:
-                self._transition(rec, st.DRAINED, f"no request in flight after {now - d['started']:.1f}s")
+                if unavailable:
+                    self._transition(rec, st.DRAINED, f"no request in flight at the gateway after "
+                                     f"{now - d['started']:.1f}s; engine figures unavailable ({unavailable}): "
+                                     "decided on the gateway's in-flight count")
+                else:
+                    self._transition(rec, st.DRAINED, f"no request in flight after {now - d['started']:.1f}s")
             elif stuck and now - stuck[1] >= LEAKED_COUNT_S:
                 self._transition(rec, st.DRAINED, f"engine idle for {now - stuck[1]:.0f}s while the gateway still "
                                  f"counted {g:.0f} in flight (a count leaked by a crashed nginx worker); "
@@ -938,7 +1054,8 @@ class ControlPlane:
                 d["timed_out"] = True
                 self._transition(rec, st.DRAINED, f"drain timeout after {now - d['started']:.0f}s with "
                                  f"{'?' if g is None else f'{g:.0f}'} request(s) in flight at the gateway, "
-                                 f"{'?' if e is None else f'{e:.0f}'} at the engine")
+                                 f"{'?' if e is None else f'{e:.0f}'} at the engine"
+                                 + (" (engine figures unavailable)" if unavailable else ""))
             else:
                 self._save(rec)
 
