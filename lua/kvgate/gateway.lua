@@ -12,6 +12,7 @@ local capture = require "kvgate.capture"
 local sse_guard = require "kvgate.sse_guard"
 local shutdown = require "kvgate.shutdown"
 local hash = require "kvgate.hash"
+local hot_prefix = require "kvgate.hot_prefix"
 local lrucache = require "resty.lrucache"
 -- preloaded here, in the master, so workers never read the file system
 require "kvgate.cache_key"
@@ -50,6 +51,7 @@ local ENDPOINTS = {
 local SEEN_TTL_S = 60
 local SEEN_ITEMS = 4096
 local seen -- per worker (created in init_worker)
+local hot -- per worker: the completions shared-prefix detector (hot_prefix.lua)
 
 --- init(): init_by_lua (master, root): read kvgate.json; fail nginx start/-t if bad
 function _M.init()
@@ -63,6 +65,7 @@ end
 --- init_worker(): per-worker state and the request-log flush timer
 function _M.init_worker()
     seen = lrucache.new(SEEN_ITEMS)
+    hot = hot_prefix.new()
     reqlog.start()
     shutdown.start()
 end
@@ -130,6 +133,22 @@ end
 -- read-only stand-in when neither the session affinity nor the cache needs headers
 local NO_HEADERS = {}
 
+-- a placeholder session id or `user` ("null", "undefined", ...) was taken as absent
+local function count_sentinels(pool_name, pool, s_sentinel, u_sentinel)
+    if s_sentinel then
+        metrics.incr("kvgate_route_key_sentinel_total", { pool = pool_name, source = "session", value = s_sentinel })
+    end
+    if u_sentinel then
+        metrics.incr("kvgate_route_key_sentinel_total", { pool = pool_name, source = "user", value = u_sentinel })
+    end
+    local state = ngx.shared.kvgate_state
+    if state and state:add("warned:sentinel:" .. pool_name, true, 60) then
+        ngx.log(ngx.WARN, "kvgate pool ", pool_name, ": a placeholder ",
+            s_sentinel and (pool.session_header .. " (" .. s_sentinel .. ")") or ("user (" .. u_sentinel .. ")"),
+            " was treated as absent; the next affinity source routed it (a client sends str(None)/undefined?)")
+    end
+end
+
 --- access(): validate, route (pool + route key), cache lookup; may answer itself
 function _M.access()
     local cfg = config.get()
@@ -177,10 +196,13 @@ function _M.access()
         headers = ngx.req.get_headers(ALL_HEADERS)
     end
     -- round_robin/least_conn do not read the key: only its kind is worked out
-    local key, kind, kerr, shared_only = route_key.compute(req, endpoint, headers, pool,
+    local key, kind, kerr, shared_only, s_sentinel, u_sentinel = route_key.compute(req, endpoint, headers, pool,
         cfg.fallback_route_key, not pool.hashes_key)
     if not key then
         return errors.send(400, kerr, "invalid_session_id")
+    end
+    if s_sentinel or u_sentinel then
+        count_sentinels(pool_name, pool, s_sentinel, u_sentinel)
     end
     var.kvgate_route_key = key
     var.kvgate_upstream = pool.upstream
@@ -197,6 +219,11 @@ function _M.access()
         fp = route_key.prefix_key(req, endpoint, pool.prefix_chars)
     end
     ctx.fp = fp
+    if kind == "prefix" and endpoint == "completions" and key ~= "" and hot then
+        -- no structure to read: many different prompts on one fingerprint (hot_prefix.lua)
+        ctx.shared_prefix = hot_prefix.observe(hot, pool_name .. ":" .. fp, req.prompt, pool.prefix_chars,
+            ngx.now())
+    end
     -- survives the internal redirect to @kvgate_upstream_error (ngx.ctx does not); the
     -- route key's hash for the log is worked out in the log phase, off the request's path
     var.kvgate_log = kind .. " " .. (fp or "-")
@@ -381,11 +408,18 @@ function _M.log()
     if ctx.kind == "fallback" then
         metrics.incr("kvgate_route_key_fallback_total", { pool = ctx.pool })
     elseif ctx.shared_prefix then
-        metrics.incr("kvgate_route_key_shared_prefix_total", { pool = ctx.pool })
+        local endpoint = ctx.endpoint
+        metrics.incr("kvgate_route_key_shared_prefix_total", { pool = ctx.pool, endpoint = endpoint })
         local state = ngx.shared.kvgate_state
-        if state and state:add("warned:shared_prefix:" .. ctx.pool, true, 60) then
-            ngx.log(ngx.WARN, "kvgate pool ", ctx.pool, ": prefix route keys cover only the system prompt/tools ",
-                "(prefix_chars too small?); conversations sharing them all land on one node")
+        if state and state:add("warned:shared_prefix:" .. ctx.pool .. ":" .. endpoint, true, 60) then
+            if endpoint == "completions" then
+                ngx.log(ngx.WARN, "kvgate pool ", ctx.pool, ": many different completions prompts share their ",
+                    "first prefix_chars bytes (prefix_chars too small for a shared template?); they all land ",
+                    "on one node")
+            else
+                ngx.log(ngx.WARN, "kvgate pool ", ctx.pool, ": prefix route keys cover only the system prompt/tools ",
+                    "(prefix_chars too small?); conversations sharing them all land on one node")
+            end
         end
     end
     if not hit and addr then

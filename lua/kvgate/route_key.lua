@@ -9,10 +9,67 @@ local hash = require "kvgate.hash"
 
 local type = type
 local find = string.find
+local match = string.match
+local lower = string.lower
+local byte = string.byte
+local ipairs = ipairs
+local pairs = pairs
 
 local _M = {}
 
 _M.MAX_SESSION_BYTES = 256
+
+-- What clients send when they have no id: str(None) "None", String(undefined)
+-- "undefined", String(null) / JSON "null", Ruby/Lua "nil", Go's "<nil>", String(NaN).
+-- Taken as ids they give every request one key, so one node (issue 9).
+-- value (lowercased, trimmed) -> the metric's `value` label (bounded)
+local SENTINELS = {
+    ["null"] = "null", ["undefined"] = "undefined", ["none"] = "none",
+    ["nil"] = "nil", ["<nil>"] = "nil", ["nan"] = "nan",
+}
+-- no sentinel word is longer; a longer value is a sentinel only if it is all blanks
+local SENTINEL_MAX_BYTES = 16
+-- first bytes a sentinel can start with: n N u U < and the blanks of %s (BLANK)
+local BLANK = "blank"
+local SENTINEL_FIRST = { [byte("n")] = true, [byte("N")] = true, [byte("u")] = true, [byte("U")] = true,
+    [byte("<")] = true }
+for _, c in ipairs({ " ", "\t", "\n", "\v", "\f", "\r" }) do
+    SENTINEL_FIRST[byte(c)] = BLANK
+end
+local SENTINEL_LEN = {}
+for w in pairs(SENTINELS) do
+    SENTINEL_LEN[#w] = true
+end
+
+--- sentinel(v) -> label ("null", "undefined", "none", "nil", "nan", "empty") when the
+-- string v is a placeholder for "no id" (case-insensitive, blanks around ignored;
+-- "" and whitespace-only are "empty"), else nil
+function _M.sentinel(v)
+    local n = #v
+    if n == 0 then
+        return "empty"
+    end
+    if not SENTINEL_FIRST[byte(v, 1)] then
+        -- most ids: one byte read, nothing built
+        return nil
+    end
+    if n > SENTINEL_MAX_BYTES then
+        -- anchored: a real id fails at its first non-blank byte
+        return find(v, "^%s+$") and "empty" or nil
+    end
+    local t = v
+    if SENTINEL_FIRST[byte(v, 1)] == BLANK or SENTINEL_FIRST[byte(v, n)] == BLANK then
+        t = match(v, "^%s*(.-)%s*$")
+        if t == "" then
+            return "empty"
+        end
+    end
+    -- lengths of the sentinel words: most short ids stop here, nothing built
+    if not SENTINEL_LEN[#t] then
+        return nil
+    end
+    return SENTINELS[lower(t)]
+end
 
 --- check_session(v) -> true | false, reason
 function _M.check_session(v)
@@ -60,13 +117,18 @@ local function has_prompt(req, endpoint)
     return type(p) == "string" or (type(p) == "table" and #p > 0)
 end
 
---- compute(req, endpoint, headers, pool, fallback, kind_only) -> key, kind, nil, shared_only | nil, nil, err
+--- compute(req, endpoint, headers, pool, fallback, kind_only)
+--   -> key, kind, nil, shared_only, session_sentinel, user_sentinel | nil, nil, err
 -- headers: name -> string | list of strings (read only if the affinity has "session");
 -- pool = {affinity=..., session_header=..., prefix_chars=...}. kind_only (for balancers
 -- that do not read the key): the session header is still validated and the kind still
 -- reported, but the prefix is not hashed — key is "" for kind "prefix".
+-- A session header or `user` holding a placeholder (sentinel() above) counts as absent:
+-- the next source applies, and its sentinel() label comes back (nil otherwise) so the
+-- caller can count it.
 function _M.compute(req, endpoint, headers, pool, fallback, kind_only)
     local affinity = pool.affinity
+    local s_sentinel, u_sentinel
     for i = 1, #affinity do
         local src = affinity[i]
         if src == "session" then
@@ -82,32 +144,38 @@ function _M.compute(req, endpoint, headers, pool, fallback, kind_only)
                 end
                 v = v[1]
             end
-            if type(v) == "string" and v ~= "" then
+            if type(v) == "string" then
                 local ok, why = _M.check_session(v)
                 if not ok then
                     return nil, nil, pool.session_header .. " header " .. why
                 end
-                return "s:" .. v, "session"
+                s_sentinel = _M.sentinel(v)
+                if not s_sentinel then
+                    return "s:" .. v, "session", nil, nil, nil, u_sentinel
+                end
             end
         elseif src == "user" then
             local u = req.user
-            if type(u) == "string" and u ~= "" then
-                return "u:" .. u, "user"
+            if type(u) == "string" then
+                u_sentinel = _M.sentinel(u)
+                if not u_sentinel then
+                    return "u:" .. u, "user", nil, nil, s_sentinel
+                end
             end
         elseif src == "prefix" then
             if kind_only then
                 if has_prompt(req, endpoint) then
-                    return "", "prefix"
+                    return "", "prefix", nil, nil, s_sentinel, u_sentinel
                 end
             else
                 local k, shared_only = _M.prefix_key(req, endpoint, pool.prefix_chars)
                 if k then
-                    return "p:" .. k, "prefix", nil, shared_only
+                    return "p:" .. k, "prefix", nil, shared_only, s_sentinel, u_sentinel
                 end
             end
         end
     end
-    return fallback, "fallback"
+    return fallback, "fallback", nil, nil, s_sentinel, u_sentinel
 end
 
 return _M

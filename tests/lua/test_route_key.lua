@@ -138,6 +138,54 @@ H.test("bad session header is an error", function()
     H.eq(k, nil); H.truthy(err)
 end)
 
+H.test("placeholder session ids and users are absent, and reported", function()
+    for _, v in ipairs({ "null", "NULL", "Null", "undefined", "None", "none", "nil", "<nil>", "NaN", "",
+        " ", "   ", " null ", string.rep(" ", 40) }) do
+        local k, kind, err, _, s_sent, u_sent = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = v }),
+            POOL, FALLBACK)
+        H.eq(err, nil, v); H.eq(kind, "prefix", "'" .. v .. "'"); H.truthy(k:match("^p:"))
+        H.truthy(s_sent, v); H.eq(u_sent, nil)
+        -- the next source applies: here the user field
+        local req = chat(1); req.user = "alice"
+        k, kind, err, _, s_sent = route_key.compute(req, "chat", headers({ ["X-Session-Id"] = v }), POOL, FALLBACK)
+        H.eq(k, "u:alice", v); H.truthy(s_sent)
+        -- a placeholder user is absent too
+        req.user = v
+        k, kind, err, _, s_sent, u_sent = route_key.compute(req, "chat", headers({}), POOL, FALLBACK)
+        H.eq(kind, "prefix", v); H.eq(s_sent, nil); H.truthy(u_sent)
+    end
+    H.eq(route_key.sentinel("null"), "null"); H.eq(route_key.sentinel("NULL"), "null")
+    H.eq(route_key.sentinel("None"), "none"); H.eq(route_key.sentinel("<nil>"), "nil")
+    H.eq(route_key.sentinel(" "), "empty"); H.eq(route_key.sentinel(""), "empty")
+    -- ids that merely contain or resemble a placeholder are ids
+    for _, v in ipairs({ "nullable", "null-1", "none42", "undefined_user", "0", "false", "n", "nulll",
+        string.rep("a", 256), "  x  " }) do
+        H.eq(route_key.sentinel(v), nil, v)
+        local k, kind = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = v }), POOL, FALLBACK)
+        H.eq(kind, "session", v); H.eq(k, "s:" .. v)
+    end
+    -- a repeated header: the first value decides; the others are still validated
+    local k, kind, err, _, s_sent = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = { "null", "s2" } }),
+        POOL, FALLBACK)
+    H.eq(kind, "prefix"); H.eq(s_sent, "null")
+    k, kind, err = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = { "null", "a\1b" } }), POOL, FALLBACK)
+    H.eq(k, nil); H.truthy(err)
+    -- a placeholder is still checked like any value (control characters: 400)
+    k, kind, err = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = "null\1" }), POOL, FALLBACK)
+    H.eq(k, nil); H.truthy(err)
+    -- no prompt: the fallback, with the placeholder reported
+    k, kind, err, _, s_sent = route_key.compute({ model = "m", messages = {} }, "chat",
+        headers({ ["X-Session-Id"] = "undefined" }), POOL, FALLBACK)
+    H.eq(kind, "fallback"); H.eq(s_sent, "undefined")
+    -- kind_only pools: the same
+    k, kind, err, _, s_sent = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = "null" }), POOL, FALLBACK,
+        true)
+    H.eq(kind, "prefix"); H.eq(k, ""); H.eq(s_sent, "null")
+    -- a real id reports nothing
+    local _, _, _, _, s5, u5 = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = "s1" }), POOL, FALLBACK)
+    H.eq(s5, nil); H.eq(u5, nil)
+end)
+
 H.test("canonical() with a limit gives the same window and offsets as without", function()
     local long = { model = "m", messages = { SYSTEM, { role = "user", content = string.rep("word ", 2000) } } }
     for i = 1, 20 do
