@@ -191,6 +191,9 @@ def data_config(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any
         "debug_headers": gw.debug_headers,
         "fallback_route_key": gw.fallback_route_key,
         "max_body_bytes": gw.max_body_bytes,
+        # the Lua body reader's idle timeout and total deadline (lua/kvgate/body.lua)
+        "client_body_timeout_ms": max(1, round(gw.client_body_timeout_s * 1000)),
+        "client_body_deadline_ms": max(1, round(gw.client_body_deadline_s * 1000)),
         "shutdown": {
             "grace_s": gw.worker_shutdown_timeout_s,
             "cut_streams_after_s": stream_cut_after_s(gw.worker_shutdown_timeout_s, gw.read_timeout_s),

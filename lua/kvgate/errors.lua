@@ -28,6 +28,11 @@ function _M.send(status, message, code, param, typ)
     ngx.header["Content-Type"] = "application/json"
     ngx.header["Content-Length"] = nil
     say(_M.body(message, code, param, typ))
+    if status == 408 then
+        -- nginx finalizes a 408 by dropping the connection at once (it "terminates" the
+        -- request), answer and all; the status is set, so finish as a sent response
+        return exit(ngx.HTTP_OK)
+    end
     return exit(status)
 end
 

@@ -13,6 +13,8 @@ local sse_guard = require "kvgate.sse_guard"
 local shutdown = require "kvgate.shutdown"
 local hash = require "kvgate.hash"
 local hot_prefix = require "kvgate.hot_prefix"
+local body_reader = require "kvgate.body"
+local request = require "kvgate.request"
 local lrucache = require "resty.lrucache"
 -- preloaded here, in the master, so workers never read the file system
 require "kvgate.cache_key"
@@ -162,26 +164,17 @@ function _M.access()
     if not is_json(var.content_type) then
         return errors.send(400, "Content-Type must be application/json", "invalid_content_type")
     end
-    ngx.req.read_body()
-    local body = ngx.req.get_body_data()
+    -- under an idle timeout and a total deadline (408); then UTF-8, JSON, model and prompt
+    -- shape (400): a refused body reaches neither a node nor the cache
+    local body, status, berr, bcode = body_reader.read(cfg)
     if not body then
-        if ngx.req.get_body_file() then
-            -- bodies are kept in memory up to max_body_bytes; a file means it was larger
-            return errors.send(413, "Request body is larger than " .. cfg.max_body_bytes .. " bytes",
-                "request_too_large")
-        end
-        return errors.send(400, "The request body is empty; expected a JSON object", "invalid_json")
+        return body_reader.reject(status, berr, bcode)
     end
-    local req, derr = cjson.decode(body)
-    -- cjson decodes [] and {} alike: the first byte tells an object from an array
-    if type(req) ~= "table" or not find(body, "^%s*{") then
-        return errors.send(400, "The request body is not a valid JSON object" ..
-            (derr and (": " .. derr) or ""), "invalid_json")
+    local req, verr, vparam, vcode = request.parse(body, endpoint)
+    if not req then
+        return errors.send(400, verr, vcode, vparam)
     end
     local model = req.model
-    if type(model) ~= "string" or model == "" then
-        return errors.send(400, "You must provide a model parameter", "missing_model", "model")
-    end
     local pool_name = cfg.models[model]
     if not pool_name then
         return errors.send(404, "The model `" .. model .. "` does not exist", "model_not_found", "model")
@@ -489,6 +482,18 @@ end
 --- uri_too_long(): content for nginx's own 414 (a request line over the header buffers)
 function _M.uri_too_long()
     return errors.send(414, "The request URI is too long", "uri_too_long")
+end
+
+--- malformed(): content for nginx's own 400 (a malformed request line, Transfer-Encoding
+-- with Content-Length, a bad Host)
+function _M.malformed()
+    return errors.send(400, "The HTTP request is malformed (request line or headers)", "malformed_request")
+end
+
+--- body_timeout(): content for /kvgate/errors/408, where the access phase sends a request
+-- whose body stalled (?why=idle) or passed its deadline (?why=deadline)
+function _M.body_timeout()
+    return errors.send(408, body_reader.timeout_message(config.get(), var.arg_why), "request_timeout")
 end
 
 --- not_found(): content for any path the gateway does not serve

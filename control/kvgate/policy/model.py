@@ -60,6 +60,20 @@ class GatewayConfig(_Strict):
         "reset (the OpenAI SDKs retry it). 0 closes every connection after its response: no reset, one TCP "
         "handshake per request.",
     )
+    client_body_timeout_s: float = Field(
+        30.0, ge=0.01, le=3600,
+        description="How long the gateway waits for the next bytes of a request body (seconds; nginx "
+        "`client_body_timeout`). A body that stops arriving is answered 408 `request_timeout` in OpenAI's format "
+        "and the connection is closed. (A chunked body is read by nginx itself, which closes the connection "
+        "without an answer.)",
+    )
+    client_body_deadline_s: float = Field(
+        120.0, ge=0.01, le=3600,
+        description="Longest a request may take to arrive, headers and body, from its first byte (seconds). A body "
+        "that trickles in, never idle for `client_body_timeout_s`, is cut here with the same 408. At least "
+        "`client_body_timeout_s`; size it for `max_body_bytes` over the slowest client link you serve. Chunked "
+        "bodies have only the idle timeout.",
+    )
     worker_shutdown_timeout_s: int = Field(
         900, ge=1,
         description="How long old workers may finish streams after a reload (seconds, nginx "
@@ -73,6 +87,16 @@ class GatewayConfig(_Strict):
     @classmethod
     def _check_listen(cls, v: str) -> str:
         return _host_port(v)
+
+    @field_validator("client_body_deadline_s")
+    @classmethod
+    def _check_body_deadline(cls, v: float, info: ValidationInfo) -> float:
+        # client_body_timeout_s is declared earlier: validated (or missing, when invalid) here
+        idle = info.data.get("client_body_timeout_s")
+        if idle is not None and v < idle:
+            raise ValueError(f"must be at least client_body_timeout_s = {idle:g} s (the idle timeout would never "
+                             "apply)")
+        return v
 
     @field_validator("worker_shutdown_timeout_s")
     @classmethod
