@@ -237,3 +237,79 @@ def test_ramp_holds_while_the_node_queues_and_then_completes(control_fleet):
     for t in flood:
         t.join()
     fleet.wait_state("n2", "active", timeout=30)
+
+
+# ------------------------------------------------------------------ passive health (issue 9, item 9)
+def _chat_key(fleet, key: str) -> requests.Response:
+    return requests.post(fleet.gateway + "/v1/chat/completions", timeout=30,
+                         headers={"X-Session-Id": key, "Cache-Control": "no-store"},
+                         json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+
+
+def _until_state(fleet, node_id: str, state: str, keys: list[str], timeout: float = 30) -> list[int]:
+    """Send requests with ``keys`` (round robin) until ``node_id`` is in ``state``; their statuses."""
+    statuses: list[int] = []
+    deadline = time.monotonic() + timeout
+    i = 0
+    while fleet.node(node_id)["state"] != state:
+        assert time.monotonic() < deadline, (fleet.node(node_id), statuses[-20:])
+        for _ in range(5):
+            statuses.append(_chat_key(fleet, keys[i % len(keys)]).status_code)
+            i += 1
+    return statuses
+
+
+def test_a_node_answering_500_to_everything_is_ejected_and_comes_back(control_fleet, start_mocks):
+    # n3 is an engine whose /health is fine but which answers 500 to every completion: probes
+    # never fail it and 500 does not fail over, so before passive health it kept its keys forever
+    [mock] = start_mocks(1, prefix="bad")
+    fleet = control_fleet(n=3, external={"n3": mock.url}, extra="weights: {dynamic: false}")
+    every = [f"p{i}" for i in range(80)]
+    keys = [k for k in every if fleet.route(k) == "n3"][:8]
+    assert keys
+    mock.set(status=500)
+    seen = _until_state(fleet, "n3", "ejected", keys)
+    # health.passive defaults: min_requests 20, max_5xx_ratio 0.5 (judged every probe round)
+    assert seen.count(500) >= 20, seen
+    n3 = fleet.node("n3")
+    assert "5xx" in n3["reason"] and "gateway" in n3["reason"], n3["reason"]
+    # its keys now go to the other nodes and succeed
+    after = [_chat_key(fleet, k) for k in keys]
+    assert [r.status_code for r in after] == [200] * len(keys) and all(r.headers["X-Kvgate-Node"] != "n3" for r in after)
+
+    # no traffic reaches it while ejected: it returns after recover_after good probes and is
+    # judged again on fresh traffic (a ramp step's share of the keys); still answering 500, it
+    # is ejected again
+    fleet.wait_state("n3", "ramping", timeout=15)
+    _until_state(fleet, "n3", "ejected", every)
+    moves = [(e["data"]["from_state"], e["data"]["to_state"]) for e in reversed(fleet.events(node="n3", kind="state"))]
+    assert moves.count(("active", "ejected")) + moves.count(("ramping", "ejected")) == 2, moves
+
+    # fixed: it comes back, takes its keys again and stays
+    mock.set(status=200)
+    fleet.wait_state("n3", "ramping", timeout=15)
+    served = _until_state(fleet, "n3", "active", every)
+    assert 500 not in served[-10:], served
+    more = [_chat_key(fleet, k).status_code for k in keys * 4]
+    assert more == [200] * len(more)
+    time.sleep(1.2)  # two more probe rounds on that fresh traffic
+    assert fleet.node("n3")["state"] == "active"
+    assert 'kvgate_control_health_checks_total{node="n3",result="fail"}' in fleet.api("GET", "/metrics").text
+    for e in reversed(fleet.events(node="n3", kind="state")):
+        print(f"{e['ts']:.1f} {e['message']}")
+
+
+def test_passive_health_keeps_the_last_serving_node(control_fleet, start_mocks):
+    [mock] = start_mocks(1, prefix="only")
+    fleet = control_fleet(n=1, external={"n1": mock.url})
+    mock.set(status=500)
+    deadline = time.monotonic() + 20
+    sent = 0
+    while not fleet.events(node="n1", kind="eject_skipped"):
+        assert time.monotonic() < deadline, fleet.node("n1")
+        for _ in range(5):
+            assert _chat_key(fleet, f"k{sent}").status_code == 500
+            sent += 1
+    skipped = fleet.events(node="n1", kind="eject_skipped")[0]
+    assert "last serving node" in skipped["message"] and "5xx" in skipped["message"], skipped
+    assert fleet.node("n1")["state"] == "active"

@@ -11,9 +11,10 @@ import time
 
 import psutil
 import pytest
+import redis
 import requests
 
-from ctlfixtures import MODEL
+from ctlfixtures import MODEL, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -37,6 +38,107 @@ def test_a_redis_outage_is_not_a_dead_fleet(control_fleet):
     assert up.returncode == 0, up.stdout + up.stderr
     time.sleep(2)
     assert fleet.states() == {"n1": "active", "n2": "active"}
+
+
+def _agents(fleet, nodes: list[str], sig: int) -> None:
+    for n in nodes:
+        os.kill(int((fleet.run_dir / "pids" / f"agent-{n}.pid").read_text()), sig)
+
+
+def _keep_active(fleet, nodes: list[str], seconds: float) -> list[tuple[str, str, str]]:
+    """Watch ``nodes`` for ``seconds``: every (node, state, reason) seen that is not active."""
+    bad = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for n in fleet.api("GET", "/api/v1/nodes").json()["nodes"]:
+            if n["id"] in nodes and n["state"] != "active":
+                bad.append((n["id"], n["state"], n["reason"]))
+        time.sleep(0.1)
+    return bad
+
+
+def test_a_redis_restart_under_load_costs_no_healthy_node_its_traffic(control_fleet):
+    # issue 9 item 10 (a): Redis killed with an engine, `kvgate up` brings both back (Redis
+    # empty) while the healthy nodes' agents are still backing off from the outage: their
+    # missing reports are unknown, not failed
+    fleet = control_fleet(n=3, sim="time_scale: 0.5", extra="weights: {dynamic: false}")
+    fleet.wait_reports()
+    keys = [k for k in (f"k{i}" for i in range(40)) if fleet.route(k) != "n3"][:6]
+    stop = threading.Event()
+    results: list[tuple[str, int, bool]] = []
+
+    def load() -> None:
+        i = 0
+        while not stop.is_set():
+            key = keys[i % len(keys)]
+            i += 1
+            try:
+                r = requests.post(fleet.gateway + "/v1/chat/completions", timeout=30,
+                                  headers={"X-Session-Id": key, "Cache-Control": "no-store"},
+                                  json={"model": MODEL, "max_tokens": 20, "stream": True,
+                                        "messages": [{"role": "user", "content": "x"}]})
+                results.append((r.headers.get("X-Kvgate-Node", ""), r.status_code, b"[DONE]" in r.content))
+            except requests.RequestException as exc:
+                results.append(("", 0, False))
+                print(exc)
+
+    runners = [threading.Thread(target=load) for _ in range(3)]
+    for t in runners:
+        t.start()
+    try:
+        os.kill(int((fleet.run_dir / "pids" / "redis.pid").read_text()), signal.SIGKILL)
+        _agents(fleet, ["n1", "n2"], signal.SIGSTOP)  # still backing off when Redis returns
+        os.kill(int((fleet.run_dir / "pids" / "sim-n3.pid").read_text()), signal.SIGKILL)
+        fleet.wait_state("n3", "ejected", timeout=15)  # probes still decide without Redis
+        up = fleet.kvgate("up", str(fleet.policy_path))
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "sim-n3    started" in up.stdout, up.stdout
+        # before the fix: n1 ejected ~1 s after the store came back ("no agent report"), n2
+        # kept only by the last-serving-node rule
+        assert _report_grace(fleet) == 1
+        bad = _keep_active(fleet, ["n1", "n2"], 2.5)
+        _agents(fleet, ["n1", "n2"], signal.SIGCONT)
+        assert not bad, bad
+        fleet.wait_state("n3", "active", timeout=40)  # its engine restarted: warmed and ramped
+        bad = _keep_active(fleet, ["n1", "n2"], 1.0)
+        assert not bad, bad
+    finally:
+        _agents(fleet, ["n1", "n2"], signal.SIGCONT)
+        stop.set()
+        for t in runners:
+            t.join(timeout=30)
+    # the events since Redis came back: n1 and n2 never moved; n3 went through warming
+    assert not fleet.events(node="n1", kind="state") and not fleet.events(node="n2", kind="state")
+    moves = [(e["data"]["from_state"], e["data"]["to_state"]) for e in reversed(fleet.events(node="n3", kind="state"))]
+    assert moves == [("ejected", "warming"), ("warming", "ramping"), ("ramping", "active")], moves
+    assert fleet.events(kind="store_back"), [e["message"] for e in fleet.events()][:10]
+    failed = [r for r in results if r[0] in ("n1", "n2") and not (r[1] == 200 and r[2])]
+    assert results and not failed, failed[:5]
+
+
+def _report_grace(fleet) -> float:
+    """``kvgate_control_report_grace``: 1 while missing agent reports count as unknown."""
+    text = fleet.api("GET", "/metrics").text
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("kvgate_control_report_grace "))
+
+
+def test_a_flushed_store_is_not_a_fleet_of_missing_reports(control_fleet):
+    # Redis emptied under the control plane without an error it could see (FLUSHALL, or a
+    # restart between two reconciler rounds): the reports are gone, the agents are fine
+    fleet = control_fleet(n=2)
+    fleet.wait_reports()
+    wait_until(lambda: _report_grace(fleet) == 0, "the start's report grace to end", timeout=20)
+    _agents(fleet, ["n1", "n2"], signal.SIGSTOP)  # their next report is a while away
+    try:
+        redis.Redis(port=fleet.redis_port).flushall()
+        wait_until(lambda: _report_grace(fleet) == 1, "the flush to be noticed", timeout=5)
+        bad = _keep_active(fleet, ["n1", "n2"], 1.8)
+    finally:
+        _agents(fleet, ["n1", "n2"], signal.SIGCONT)
+    assert not bad, bad
+    fleet.wait_reports()
+    assert _keep_active(fleet, ["n1", "n2"], 1.0) == []
+    assert fleet.events(kind="store_back")
 
 
 def test_the_last_serving_node_is_never_ejected(control_fleet):

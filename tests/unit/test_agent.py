@@ -124,6 +124,25 @@ def test_unreachable_control_plane_backs_off(engine, caplog):
     assert a.delay() == 10.0
 
 
+def test_a_control_plane_without_its_store_is_reported_to_every_interval(engine, receiver, caplog):
+    # issue 9 item 10: a 503 (Redis down behind the control plane) must not back the agent off, or
+    # its reports are missing for up to 10 s after Redis is back
+    caplog.set_level(logging.INFO, logger="kvgate.agent")
+    receiver.status, receiver.body = 503, {"error": {"code": "redis_unavailable"}}
+    a = Agent("n1", engine.url, receiver.url, "t", interval_s=2.0)
+    for _ in range(4):
+        a.run_once()
+    assert a.last_status == 503 and a.delay() == 2.0
+    assert len([r for r in caplog.records if "cannot store reports" in r.getMessage()]) == 1
+    receiver.status, receiver.body = 500, {}
+    a.run_once()
+    a.run_once()
+    assert a.delay() == 4.0  # other errors still back off
+    receiver.status, receiver.body = 200, {"interval_s": 2.0}
+    a.run_once()
+    assert a.failures == 0 and a.delay() == 2.0
+
+
 def test_dead_engine_logged_once_per_problem(receiver, caplog):
     caplog.set_level(logging.INFO, logger="kvgate.agent")
     a = Agent("n1", f"http://127.0.0.1:{free_port()}", receiver.url, "t")

@@ -43,6 +43,11 @@ def test_defaults_fill_in():
     assert p.cache.enabled and p.cache.namespace_version == 1
     assert p.cache.credential_header == "Authorization"
     assert pool.nodes[0].weight == 1 and pool.nodes[0].address == "127.0.0.1:9001"
+    passive = p.health.passive
+    assert passive.enabled and (passive.max_5xx_ratio, passive.min_requests, passive.window_s) == (0.5, 20, 30.0)
+    # a window that only needs to hold two reconciler rounds; off, it is not checked
+    assert parse_policy_text(MINIMAL + "control: {tick_s: 0.2}\nhealth: {passive: {window_s: 0.4}}\n")
+    assert parse_policy_text(MINIMAL + "health: {passive: {enabled: false, window_s: 1}}\n")
 
 
 @pytest.mark.parametrize("bad, path, words", [
@@ -62,6 +67,11 @@ def test_defaults_fill_in():
      "read_timeout_s + 1 = 601"),
     (MINIMAL + "gateway: {read_timeout_s: 30, worker_shutdown_timeout_s: 30}\n",
      "gateway.worker_shutdown_timeout_s", "read_timeout_s + 1 = 31"),
+    (MINIMAL + "health: {passive: {max_5xx_ratio: 0}}\n", "health.passive.max_5xx_ratio", "greater than"),
+    (MINIMAL + "health: {passive: {max_5xx_ratio: 1.5}}\n", "health.passive.max_5xx_ratio", "less than"),
+    (MINIMAL + "health: {passive: {min_requests: 0}}\n", "health.passive.min_requests", "greater than"),
+    (MINIMAL + "health: {passive: {window_s: 1}}\n", "health.passive.window_s", "2 × control.tick_s = 2s"),
+    (MINIMAL + "health: {passive: {max_5xx: 0.5}}\n", "health.passive.max_5xx", "unknown field"),
     ("pools: []\n", "pools", "at least 1"),
     ("gateway: {}\n", "pools", "required"),
 ])

@@ -18,7 +18,9 @@ with a fixed interval. Nothing stops the loop but the stop event: a refused toke
 unreachable control plane, an error status or a dead engine are logged (one line, at most about
 once a minute per kind of problem, plus one line when it clears) and the agent keeps going. After
 consecutive failed posts it waits a little longer between attempts (doubling from the interval,
-capped at ``max(interval, min(10 s, 5 × interval))``).
+capped at ``max(interval, min(10 s, 5 × interval))``) — except after a 503: the control plane
+answers but cannot store the report (its Redis is down), and the agent keeps reporting every
+interval so that its reports are there again as soon as the store is.
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ class Agent:
         self.timeout_s = float(timeout_s) if timeout_s else min(DEFAULT_TIMEOUT_S, max(self.interval_s, 0.5))
         self.follow_control = follow_control
         self.report_url = f"{self.control_url}/api/v1/nodes/{quote(node_id, safe='')}/report"
-        self.failures = 0  # consecutive failed posts
+        self.failures = 0  # consecutive failed posts that back off (not a 503: see the module docstring)
+        self.last_status: int | None = None  # HTTP status of the last post (None: no answer)
         self._engine_session = requests.Session()
         self._control_session = requests.Session()
         self._problems = _Problems()
@@ -132,9 +135,11 @@ class Agent:
     # --------------------------------------------------------------------- post
     def post(self, report: dict[str, Any]) -> bool:
         """POST ``report``; adopt the answered interval. True iff the control plane accepted it."""
+        self.last_status = None
         try:
             r = self._control_session.post(self.report_url, json=report, timeout=self.timeout_s,
                                            headers={"Authorization": f"Bearer {self.token}"})
+            self.last_status = r.status_code
         except requests.RequestException as e:
             self._problems.report("control/unreachable", f"cannot reach the control plane at {self.control_url}: "
                                              f"{collect._describe(e, self.timeout_s)}; will keep trying")
@@ -143,6 +148,11 @@ class Agent:
             self._problems.report("control/token", f"admin token rejected by the control plane "
                                              f"(HTTP {r.status_code} from {self.report_url}); check --token "
                                              f"/ KVGATE_TOKEN / --token-file; will keep trying")
+            return False
+        if r.status_code == 503:
+            self._problems.report("control/store", f"control plane cannot store reports now (HTTP 503 from "
+                                              f"{self.report_url}: its Redis is down?); will keep reporting "
+                                              f"every {self.interval_s:g}s")
             return False
         if r.status_code != 200:
             self._problems.report("control/http", f"control plane answered HTTP {r.status_code} to the report "
@@ -184,7 +194,9 @@ class Agent:
         """Collect, post and note the outcome; returns the report."""
         report = self.collect()
         self._note_engine(report["engine"])
-        self.failures = 0 if self.post(report) else self.failures + 1
+        ok = self.post(report)
+        # a 503 is a control plane that answers without its store: report again at the interval
+        self.failures = 0 if ok or self.last_status == 503 else self.failures + 1
         return report
 
     def run(self, stop_event: threading.Event) -> None:

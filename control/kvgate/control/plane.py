@@ -43,6 +43,7 @@ from ..policy import PolicyError, parse_policy_text
 from ..policy.model import Policy
 from ..render import WEIGHT_SCALE, Runtime
 from . import states as st
+from .health import PassiveWindows, StoreWatch
 from .history import History
 from .store import Store, StoreError
 from .warmup import WarmupResult, run_warmup
@@ -158,6 +159,9 @@ class ControlMetrics:
                                 ["node"], registry=r)
         self.health_checks = Counter("kvgate_control_health_checks", "Health checks by result (pass, fail).",
                                      ["node", "result"], registry=r)
+        self.report_grace = Gauge("kvgate_control_report_grace", "1 while a missing agent report counts as "
+                                  "unknown, not failed: after the control plane's start or its store's return.",
+                                  registry=r)
         self.degraded = Gauge("kvgate_control_pool_degraded", "1 while overload degrade (least_conn) is in force.",
                               ["pool"], registry=r)
         self.degrade_switches = Counter("kvgate_control_degrade_switches", "Overload degrade switches "
@@ -213,6 +217,10 @@ class ControlPlane:
         self._gateway: dict[str, Any] = {"ok": False, "inflight": {}, "requests": {}, "errors": {}, "failovers": {}}
         self._probe_due = 0.0
         self._started_at = time.time()
+        self._store_back_at = 0.0  # when the store last came back (see _note_store, _report_grace)
+        self._store_watch = StoreWatch()
+        self.passive = PassiveWindows()
+        """Each node's answers and 5xx at the gateway over ``health.passive.window_s``."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warmups: dict[str, threading.Thread] = {}
@@ -265,6 +273,7 @@ class ControlPlane:
                     rec["warmup"]["status"] = "interrupted"
                     self._save(rec)
         self._started_at = time.time()  # agents' missing reports count from here (see _report_grace)
+        self._store_watch.instance = self._store_instance()
         self._thread = threading.Thread(target=self._loop, name="kvgate-reconciler", daemon=True)
         self._thread.start()
 
@@ -660,6 +669,7 @@ class ControlPlane:
             if rec is None:
                 raise NotFound(f"no node {node_id!r} in the policy")
             now = time.time()
+            self._note_engine_start(rec, report, now)  # also while the store is down (answered 503)
             self.store.put_report(node_id, report, now)
             self.history.add_report(node_id, now, report)
             self.metrics.reports.labels(node_id).inc()
@@ -667,6 +677,55 @@ class ControlPlane:
                 rec["has_agent"] = True
                 self._save(rec)
             return {"interval_s": self.policy.control.report_interval_s if self.policy else 2.0}
+
+    def _note_engine_start(self, rec: dict[str, Any], report: dict[str, Any], now: float) -> None:
+        """Keep the engine's process start time (``engine.start_time``) of every report, and when it
+        was seen: the record tells an engine that kept its cache from a restarted one (see
+        :meth:`_recover`) from the first report on, not only after a probe round."""
+        start = (report.get("engine") or {}).get("start_time")
+        if start is None:
+            return
+        before = rec.get("engine_start_time")
+        if before is not None and before != start and rec["state"] in (st.ACTIVE, st.RAMPING):
+            self._event("engine_restarted", f"{rec['id']}: engine restarted; its prefix cache is empty",
+                        node=rec["id"], pool=rec["pool"])
+        rec["engine_start_time"], rec["engine_start_seen_at"] = start, now
+        if before != start:
+            self._save(rec)
+
+    def _store_instance(self) -> str | None:
+        """The store's instance marker (:meth:`Store.instance`), None when Redis cannot be read."""
+        try:
+            return self.store.instance()
+        except StoreError as exc:
+            log.warning("%s", exc)
+            return None
+
+    def _note_store(self, readable: bool, instance: str | None, now: float) -> None:
+        """Start the report grace when the store is back (readable after failing, or emptied under
+        us: see :class:`~kvgate.control.health.StoreWatch`); an emptied store gets the node and
+        pool records and the namespace floor again at once."""
+        assert self.policy is not None
+        back = self._store_watch.observe(readable, instance, now)
+        if back:
+            self._store_back_at = now
+            if back["emptied"]:
+                for rec in self.nodes.values():
+                    self._save(rec)
+                try:
+                    for name, p in self.pools.items():
+                        self.store.put_pool(name, p)
+                    if self.namespace_floor:
+                        self.store.set("cache_namespace_max", str(self.namespace_floor))
+                except StoreError as exc:
+                    log.warning("%s", exc)
+            ri = self.policy.control.report_interval_s
+            window = self._report_window()
+            self._event("store_back", "Redis is back" + (f" after {back['down_s']:.0f}s" if back["down_s"] else "")
+                        + (", emptied (its data is gone): node records written again" if back["emptied"] else "")
+                        + f"; missing agent reports count as unknown for {window:.0f}s (agents retry every "
+                        f"{ri:g}s, longer after failed posts)", emptied=back["emptied"], down_s=back["down_s"])
+        self.metrics.report_grace.set(1 if self._report_grace(now) else 0)
 
     def _reports(self) -> dict[str, dict[str, Any]] | None:
         """The nodes' last reports, or None when Redis cannot be read (then nothing that
@@ -714,6 +773,9 @@ class ControlPlane:
         """Adopt a gateway snapshot; failover counter increases become events."""
         prev = self._gateway
         self.history.add_gateway(time.time(), snap)
+        if snap["ok"] and self.policy is not None:
+            self.passive.add(time.time(), self.nodes, snap["requests"], snap["errors"],
+                             self.policy.health.passive.window_s)
         if snap["ok"] and prev.get("ok"):
             for pool, value in snap["failovers"].items():
                 delta = value - prev["failovers"].get(pool, 0)
@@ -742,6 +804,7 @@ class ControlPlane:
         snap = self._fetch_gateway(policy.gateway.listen)
         got = self._reports()
         reports_ok, reports = got is not None, got or {}
+        instance = self._store_instance() if reports_ok else None
         probes = self._probe_all(urls, policy.health.probe_timeout_s) if probe_now else None
         engine_inflight = {node_id: self._engine_inflight(url) for node_id, url in draining.items()}
         with self.lock:
@@ -749,6 +812,7 @@ class ControlPlane:
                 return
             now = time.time()
             self._take_gateway(snap)
+            self._note_store(reports_ok, instance, now)
             if probes is not None:
                 self._health_round(reports, now, probes, reports_ok)
             self._drain_round(now, engine_inflight)
@@ -782,19 +846,26 @@ class ControlPlane:
             return f"health probe failed: {type(exc).__name__}"
         return None if resp.status_code == 200 else f"health probe answered HTTP {resp.status_code}"
 
-    def _report_grace(self, now: float) -> bool:
-        """True while this process is too young to hold agents' missing reports against them:
-        they could not report while it was not running (a restart), and retry with backoff
-        (capped at ``max(interval, min(10 s, 5 × interval))``, see :mod:`kvgate.agent.agent`)."""
+    def _report_window(self) -> float:
+        """Seconds of the report grace: ``missing_reports`` intervals plus the agents' longest
+        backoff (``max(interval, min(10 s, 5 × interval))``, see :mod:`kvgate.agent.agent`)."""
         assert self.policy is not None
         ri = self.policy.control.report_interval_s
-        window = self.policy.health.missing_reports * ri + max(ri, min(10.0, 5 * ri))
-        return now - self._started_at <= window
+        return self.policy.health.missing_reports * ri + max(ri, min(10.0, 5 * ri))
+
+    def _report_grace(self, now: float) -> bool:
+        """True while agents' missing reports cannot be held against them: this process is young
+        (they could not report while it was not running), or its store came back lately (their
+        posts were answered 503 while it was away, and their last reports may be gone with it);
+        either way they retry with backoff. A missing report is then unknown, not a failed check."""
+        return now - max(self._started_at, self._store_back_at) <= self._report_window()
 
     def _health_round(self, reports: dict[str, dict[str, Any]], now: float, probes: dict[str, str | None],
                       reports_ok: bool = True) -> None:
-        """Count passed/failed checks; eject and recover. Without readable reports (Redis down)
-        only the probe counts."""
+        """Count passed/failed checks; eject and recover. A check fails on the probe, on the agent's
+        report (missing — unless in the report grace —, or saying the engine is unhealthy) and, for a
+        serving node, on its 5xx share at the gateway (``health.passive``). Without readable reports
+        (Redis down) the agent's part is not judged."""
         assert self.policy is not None
         hc = self.policy.health
         for rec in list(self.nodes.values()):
@@ -811,6 +882,11 @@ class ControlPlane:
                     reasons.append("agent: engine " + str((fresh.get("engine") or {}).get("error") or "unhealthy"))
             h = rec["health"]
             h["last_check"] = now
+            h["passive"] = self.passive.figures(rec["id"])
+            if hc.passive.enabled and rec["state"] in st.SERVING and self._gateway.get("ok"):
+                why = self.passive.verdict(rec["id"], hc.passive)
+                if why:
+                    reasons.append(why)
             if reasons:
                 h["fails"], h["passes"], h["last_error"] = h["fails"] + 1, 0, "; ".join(reasons)
                 self.metrics.health_checks.labels(rec["id"], "fail").inc()
@@ -823,17 +899,12 @@ class ControlPlane:
                 if not last and rec["state"] in (st.WARMING, st.RAMPING, st.ACTIVE) and h["fails"] >= hc.eject_after:
                     rec["resume_state"] = rec["state"]
                     rec["engine_start_time_at_eject"] = rec.get("engine_start_time")
+                    self.passive.reset(rec["id"])  # no traffic while ejected: judged again on its return
                     self._transition(rec, st.EJECTED, f"{h['fails']} failed health checks: {h['last_error']}")
             else:
                 h["fails"], h["passes"] = 0, h["passes"] + 1
                 self.metrics.health_checks.labels(rec["id"], "pass").inc()
-                start = ((self._fresh(entry, now) or {}).get("engine") or {}).get("start_time")
-                restarted = start is not None and rec.get("engine_start_time") not in (None, start)
-                if start is not None:
-                    rec["engine_start_time"] = start
-                if restarted and rec["state"] in (st.ACTIVE, st.RAMPING):
-                    self._event("engine_restarted", f"{rec['id']}: engine restarted; its prefix cache is empty",
-                                node=rec["id"], pool=rec["pool"])
+                # the engine's start time comes with each report (_note_engine_start)
                 if rec["state"] == st.JOINING:
                     self._start_warming(rec, "passed its health check")
                 elif rec["state"] == st.EJECTED and h["passes"] >= hc.recover_after:
@@ -842,19 +913,32 @@ class ControlPlane:
 
     def _recover(self, rec: dict[str, Any]) -> None:
         """An ejected node passed ``recover_after`` checks: back through warming if its engine
-        restarted (or we cannot tell), else straight back to where it was."""
+        restarted (or we cannot tell), else straight back to where it was.
+
+        "Same engine" needs an agent report since the ejection whose ``engine.start_time`` is the
+        one seen before it; a node with an agent waits for that report for up to
+        ``missing_reports`` report intervals of passing checks (called again each round) rather
+        than be warmed for want of it. Its passive-health window starts again either way."""
+        assert self.policy is not None
         before = rec.get("engine_start_time_at_eject")
         now_start = rec.get("engine_start_time")
-        same_engine = before is not None and now_start == before
+        seen = (rec.get("engine_start_seen_at") or 0.0) >= (rec.get("since") or 0.0)
+        hc = self.policy.health
+        passing_extra_s = (rec["health"]["passes"] - hc.recover_after) * hc.probe_interval_s
+        if rec.get("has_agent") and before is not None and not seen \
+                and passing_extra_s < hc.missing_reports * self.policy.control.report_interval_s:
+            return
+        same_engine = before is not None and seen and now_start == before
         resume = rec.get("resume_state")
+        self.passive.reset(rec["id"])
         if same_engine and resume in (st.ACTIVE, st.RAMPING):
             if resume == st.RAMPING and rec.get("ramp"):
                 rec["ramp"]["since"] = time.time()
             self._transition(rec, resume, f"recovered after {rec['health']['passes']} passed checks; "
                              "same engine process, cache kept")
         else:
-            why = "engine restarted, cache is empty" if before is not None and now_start is not None else \
-                "cannot tell whether the engine kept its cache"
+            why = f"it was {resume}" if same_engine else "engine restarted, cache is empty" \
+                if before is not None and seen else "cannot tell whether the engine kept its cache"
             self._start_warming(rec, f"recovered after {rec['health']['passes']} passed checks ({why})")
 
     # --------------------------------------------------------------- warm-up

@@ -8,6 +8,8 @@ Keys (all under ``kvgate:control:``; values are JSON):
 ``events``           a Redis stream of events, capped at ``control.events_kept``
 ``versions``         a list of applied policy versions, newest last, capped at ``control.versions_kept``
 ``version_seq``      the last version number handed out
+``instance``         a random marker set by the first control plane to find none: a new value
+                     means the store was emptied under it (restarted without persistence, flushed)
 
 Every method raises :class:`StoreError` (with the Redis error) when Redis cannot be reached.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any
 
 import redis
@@ -142,6 +145,15 @@ class Store:
         return out
 
     # -------------------------------------------------------------- misc
+    def instance(self) -> str:
+        """The store's instance marker (``instance``), set to a new random value when there is
+        none: a Redis that restarted empty, or was flushed, answers a value it never did before."""
+        value = self._call("read instance", self.r.get, PREFIX + "instance")
+        if value:
+            return value
+        self._call("write instance", self.r.set, PREFIX + "instance", uuid.uuid4().hex, nx=True)
+        return self._call("read instance", self.r.get, PREFIX + "instance") or ""
+
     def get(self, name: str) -> str | None:
         return self._call(f"read {name}", self.r.get, PREFIX + name)
 

@@ -142,6 +142,12 @@ def cross_check(policy: Policy) -> list[PolicyIssue]:
                 issues.append(PolicyIssue(f"{here}.id", f"node id {node.id!r} is already used by {node_ids[node.id]}"))
             node_ids.setdefault(node.id, here)
             clash(f"{here}.url", node.host, node.port)
+    passive = policy.health.passive
+    if passive.enabled and passive.window_s < 2 * policy.control.tick_s:
+        # the 5xx share is the difference of two scrapes of the gateway (one per tick)
+        issues.append(PolicyIssue("health.passive.window_s", f"{passive.window_s:g}s is shorter than two reconciler "
+                                  f"rounds (2 × control.tick_s = {2 * policy.control.tick_s:g}s): the share would be "
+                                  "judged on a single scrape of the gateway"))
     return issues
 
 

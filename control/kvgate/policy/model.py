@@ -371,8 +371,27 @@ class ControlConfig(_Strict):
         return _host_port(v)
 
 
+class PassiveHealthConfig(_Strict):
+    """Passive health: a node whose answers at the gateway are mostly 5xx fails its health checks."""
+
+    enabled: bool = Field(True, description="Judge serving nodes on their recent 5xx share at the gateway "
+                          "(`kvgate_requests_total{node,status}`), besides probes and agent reports.")
+    max_5xx_ratio: float = Field(
+        0.5, gt=0, le=1, description="A serving node whose share of 5xx answers over the last `window_s` is above "
+        "this fails the health check of that round (counted like a failed probe: `eject_after` in a row eject it).",
+    )
+    min_requests: int = Field(
+        20, ge=1, description="Answers of the node within the window below which its share is not judged (too "
+        "few to tell a failing node from one unlucky request).",
+    )
+    window_s: float = Field(
+        30.0, gt=0, description="The window of answers judged (seconds). It starts again when the node is ejected "
+        "and when it comes back: a returning node is judged on fresh traffic only.",
+    )
+
+
 class HealthConfig(_Strict):
-    """Ejection of failing nodes (agent reports and the control plane's own probe)."""
+    """Ejection of failing nodes (agent reports, the control plane's own probe, the gateway's 5xx share)."""
 
     probe_interval_s: float = Field(2.0, gt=0, description="How often the control plane probes each engine's `/health` (seconds).")
     probe_timeout_s: float = Field(1.0, gt=0, description="Timeout of one probe (seconds).")
@@ -381,6 +400,7 @@ class HealthConfig(_Strict):
     missing_reports: int = Field(
         3, ge=1, description="A node whose agent has not reported for this many report intervals counts as failing (K)."
     )
+    passive: PassiveHealthConfig = Field(default_factory=PassiveHealthConfig)
 
 
 class WeightsConfig(_Strict):
