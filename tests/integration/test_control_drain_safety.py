@@ -180,3 +180,35 @@ def test_drain_wait_fails_when_the_drain_timed_out_with_requests_in_flight(contr
     assert fleet.node("n1")["state"] == "drained"
     # the streams still ended on the node (down in nginx, not cut)
     assert all(not x["error"] and x["tokens"] == 60 for x in results), results[:3]
+
+
+def test_an_agent_on_an_engine_without_metrics_keeps_it_serving(control_fleet: Callable[..., Fleet],
+                                                                  start_mocks) -> None:
+    # n3 is a plain OpenAI server with an agent beside it, as an operator would run one next
+    # to TGI or llama.cpp: the agent must report it healthy with its figures unavailable
+    # (before the fix: "agent: engine GET /metrics: HTTP 404" → ejected)
+    [mock] = start_mocks(1, prefix="plain")
+    fleet = control_fleet(n=3, external={"n3": mock.url}, extra="weights: {dynamic: false}")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "kvgate", "agent", "--node-id", "n3", "--engine-url", mock.url,
+         "--control-url", fleet.control, "--token", fleet.token, "--interval", "0.5"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def reported() -> dict[str, Any] | None:
+            engine = (fleet.node("n3").get("report") or {}).get("engine") or {}
+            return engine if engine.get("url") == mock.url else None
+
+        engine = wait_until(reported, "a report of n3's agent", 20)
+        assert engine["healthy"] is True and engine["error"] is None, engine
+        assert engine["figures_error"] == "GET /metrics: HTTP 404", engine
+        # several report intervals and health rounds (eject_after 2 at 0.5 s): still serving
+        time.sleep(3)
+        assert fleet.node("n3")["state"] == "active"
+        assert not [e for e in fleet.events(node="n3", kind="state") if e["data"].get("to_state") == "ejected"]
+        key = key_on(fleet, "n3")
+        r = fleet.session.post(fleet.gateway + "/v1/chat/completions", timeout=10, headers={"X-Session-Id": key},
+                               json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and "from plain1" in r.text, r.text
+    finally:
+        agent.terminate()
+        agent.wait(10)

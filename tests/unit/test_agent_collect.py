@@ -160,28 +160,39 @@ def test_engine_probe_reads_recorded_texts_over_http(fake_engine, name, kind, ru
 def test_engine_probe_garbage_metrics(fake_engine):
     fake_engine.metrics_text = "<html><body>Welcome to nginx!</body></html>\n"
     e = collect.engine(fake_engine.url, timeout=5)
-    assert e["healthy"] is False
-    assert e["error"].startswith("GET /metrics: not Prometheus text") and "\n" not in e["error"]
+    # the engine answers its /health: figures it does not export are unavailable, not a failure
+    assert e["healthy"] is True and e["error"] is None
+    assert e["figures_error"].startswith("GET /metrics: not Prometheus text") and "\n" not in e["figures_error"]
     assert all(e[k] is None for k in collect.ENGINE_FIELDS[3:12])
 
 
 def test_engine_probe_metrics_without_engine_names(fake_engine):
     fake_engine.metrics_text = "# TYPE up gauge\nup 1\n"
     e = collect.engine(fake_engine.url, timeout=5)
-    assert (e["healthy"], e["error"]) == (False, "GET /metrics: no vLLM or SGLang metrics in the answer")
+    assert (e["healthy"], e["error"], e["figures_error"]) == (
+        True, None, "GET /metrics: no vLLM or SGLang metrics in the answer")
 
 
 def test_engine_probe_unhealthy_but_metrics_still_read(fake_engine):
     fake_engine.health_status = 503
     fake_engine.metrics_text = recorded("sglang.txt")
     e = collect.engine(fake_engine.url, timeout=5)
-    assert (e["healthy"], e["error"], e["running"]) == (False, "GET /health: HTTP 503", 162)
+    assert (e["healthy"], e["error"], e["running"], e["figures_error"]) == (False, "GET /health: HTTP 503", 162, None)
 
 
 def test_engine_probe_metrics_404(fake_engine):
     fake_engine.metrics_status = 404
     e = collect.engine(fake_engine.url, timeout=5)
-    assert (e["healthy"], e["error"], e["kind"]) == (False, "GET /metrics: HTTP 404", None)
+    assert (e["healthy"], e["error"], e["figures_error"], e["kind"]) == (True, None, "GET /metrics: HTTP 404", None)
+
+
+@pytest.mark.parametrize("status, healthy", [(501, True), (500, False), (503, False)])
+def test_engine_probe_metrics_status(fake_engine, status, healthy):
+    # 501: llama.cpp without --metrics (no figures); 500/503: a broken engine
+    fake_engine.metrics_status = status
+    e = collect.engine(fake_engine.url, timeout=5)
+    assert e["healthy"] is healthy
+    assert (e["error"] is None) is healthy and (e["figures_error"] is None) is not healthy
 
 
 def test_engine_probe_connection_refused():

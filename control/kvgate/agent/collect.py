@@ -46,7 +46,7 @@ __all__ = ["gpu", "host", "engine", "parse_metrics", "ENGINE_FIELDS"]
 #: Keys of the dict :func:`engine` returns, in order.
 ENGINE_FIELDS = ("url", "healthy", "error", "kind", "running", "waiting", "kv_cache_usage",
                  "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "num_gpu_blocks",
-                 "start_time", "scrape_ms")
+                 "start_time", "scrape_ms", "figures_error")
 _FIGURES = ENGINE_FIELDS[3:12]  # kind … start_time: what parse_metrics fills in
 
 _ERROR_MAX = 240  # characters of one error line
@@ -266,12 +266,17 @@ def engine(url: str, timeout: float = 2.0, session: requests.Session | None = No
     Returns:
         ``{"url": str, "healthy": bool, "error": str | None, "kind", "running", "waiting",
         "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
-        "num_gpu_blocks", "start_time", "scrape_ms": float}`` — the figures as in
-        :func:`parse_metrics`, ``scrape_ms`` the wall time of both requests in milliseconds.
-        ``healthy`` is true iff ``/health`` answered 200 *and* ``/metrics`` gave vLLM or SGLang
-        figures; otherwise ``error`` is one line saying what failed (the first failure), and the
-        figures are ``None`` unless ``/metrics`` still parsed (e.g. ``/health`` answered 503 while
-        the engine was loading).
+        "num_gpu_blocks", "start_time", "scrape_ms": float, "figures_error": str | None}`` — the
+        figures as in :func:`parse_metrics`, ``scrape_ms`` the wall time of both requests in
+        milliseconds. ``healthy`` is true iff ``/health`` answered 200 and ``/metrics`` did not fail
+        as a broken engine would (a timeout, a connection error, a 5xx other than 501); otherwise
+        ``error`` is one line saying what failed (the first failure). An engine that simply has no
+        vLLM/SGLang figures — ``/metrics`` answering 4xx or 501 (llama.cpp without ``--metrics``),
+        text that is not Prometheus, or Prometheus text without vLLM/SGLang names (TGI, any plain
+        OpenAI server) — is healthy, with ``figures_error`` saying why its figures are unavailable;
+        the control plane then decides drains on the gateway's count and leaves weights alone.
+        The figures are ``None`` unless ``/metrics`` parsed (it may while ``/health`` answers 503
+        as the engine loads).
     """
     base = url.rstrip("/")
     get = (session or requests).get
@@ -279,6 +284,7 @@ def engine(url: str, timeout: float = 2.0, session: requests.Session | None = No
     out["url"] = url
     t0 = time.perf_counter()
     error: str | None = None
+    figures_error: str | None = None
     try:
         try:
             r = get(base + "/health", timeout=timeout)
@@ -293,21 +299,26 @@ def engine(url: str, timeout: float = 2.0, session: requests.Session | None = No
             error = error or f"GET /metrics: {_describe(e, timeout)}"
             return out
         if r.status_code != 200:
-            error = error or f"GET /metrics: HTTP {r.status_code}"
+            if 400 <= r.status_code < 500 or r.status_code == 501:
+                # the engine answers but exports no figures: not a failure of the engine
+                figures_error = f"GET /metrics: HTTP {r.status_code}"
+            else:
+                error = error or f"GET /metrics: HTTP {r.status_code}"
             return out
         try:
             figures = parse_metrics(r.text)
         except Exception as e:  # noqa: BLE001 - whatever the parser throws at bad text
-            error = error or f"GET /metrics: not Prometheus text ({type(e).__name__}: {e})"
+            figures_error = f"GET /metrics: not Prometheus text ({type(e).__name__}: {e})"
             return out
         out.update(figures)
         if figures["kind"] is None:
-            error = error or "GET /metrics: no vLLM or SGLang metrics in the answer"
+            figures_error = "GET /metrics: no vLLM or SGLang metrics in the answer"
     except Exception as e:  # noqa: BLE001 - a probe never raises
         error = error or f"{type(e).__name__}: {e}"
     finally:
         out["healthy"] = error is None
         out["error"] = None if error is None else _one_line(error)
+        out["figures_error"] = None if figures_error is None else _one_line(figures_error)
         out["scrape_ms"] = round((time.perf_counter() - t0) * 1000, 1)
     return out
 

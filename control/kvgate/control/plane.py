@@ -25,7 +25,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import re
 import subprocess
 import threading
 import time
@@ -1087,9 +1086,8 @@ class ControlPlane:
         error = str(figures.get("error") or "")
         if "connection failed" in error:
             return 0.0, None
-        if error.startswith("GET /metrics: ") and ("no vLLM or SGLang" in error or "not Prometheus" in error
-                                                    or re.search(r"HTTP (4\d\d|501)\b", error)):
-            return None, error
+        if figures.get("figures_error"):
+            return None, str(figures["figures_error"])
         return None, None
 
     def _drain_round(self, now: float, engine_inflight: dict[str, tuple[float | None, str | None]]) -> None:

@@ -33,6 +33,7 @@ class EngineFigures(_Open):
     num_gpu_blocks: float | None = NonNeg
     start_time: float | None = None
     scrape_ms: float | None = NonNeg
+    figures_error: str | None = None
 
 
 class GpuDevice(_Open):
