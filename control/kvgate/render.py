@@ -137,6 +137,20 @@ def _addresses(host: str, port: int) -> list[str]:
     return out
 
 
+def node_peer(host: str, port: int) -> str:
+    """The address the Lua ``chash`` balancer connects a node to: ``IP:PORT`` (``[IPv6]:PORT``),
+    the host resolved here, IPv4 preferred, because ``ngx.balancer.set_current_peer`` resolves
+    no names. This is also the address ``$upstream_addr`` then shows (mapped back to the node
+    id in ``nodes_by_addr``). A host that does not resolve is returned as ``HOST:PORT``:
+    the upstream's ``server HOST:PORT`` line then fails ``nginx -t`` ("host not found in
+    upstream"), as it did before the balancer moved to Lua."""
+    ips = _resolve(host, port)
+    if not ips:
+        return f"{host}:{port}"
+    ip = ips[0]
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
 def redis_host(policy: Policy) -> str:
     """The IP address the data path connects to for ``policy.redis``.
 
@@ -164,6 +178,7 @@ def data_config(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any
     models: dict[str, str] = {}
     nodes_by_addr: dict[str, str] = {}
     for pool in policy.pools:
+        peers = {n.id: node_peer(n.host, n.port) for n in pool.nodes}
         pools[pool.name] = {
             "name": pool.name,
             "upstream": f"pool_{pool.name}",
@@ -171,7 +186,9 @@ def data_config(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any
             "affinity": list(pool.affinity),
             "session_header": pool.session_header,
             "prefix_chars": pool.prefix_chars,
-            "nodes": [{"id": n.id, "address": n.address, "weight": runtime.weight(n.id, n.weight)}
+            # peer: where the Lua balancer connects; the ring is built from id and weight
+            "nodes": [{"id": n.id, "address": n.address, "weight": runtime.weight(n.id, n.weight),
+                       "peer": peers[n.id]}
                       for n in pool.nodes],
             "capture": {
                 "enabled": pool.warmup.capture_prefix_text,
@@ -183,7 +200,7 @@ def data_config(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any
         for model in pool.models:
             models[model] = pool.name
         for node in pool.nodes:
-            for addr in _addresses(node.host, node.port):
+            for addr in _addresses(node.host, node.port) + [peers[node.id]]:
                 nodes_by_addr[addr] = node.id
     gw = policy.gateway
     return {

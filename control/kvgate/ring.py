@@ -1,54 +1,45 @@
-"""nginx's consistent-hash ring (``hash $kvgate_route_key consistent``), in Python.
+"""The consistent-hash ring of a ``chash`` pool, in Python: the executable spec and test
+oracle of the gateway's ring (``lua/kvgate/balancer/ring.lua``).
 
-A ``chash`` pool is rendered as ``upstream pool_<name> { hash $kvgate_route_key consistent;
-server HOST:PORT weight=W ...; }`` (``nginx/upstreams.conf.j2``). This module rebuilds the
-ring nginx builds from that block, so the control plane can tell which node is a route
-key's *home* (where its KV cache lives) without asking nginx.
+A ``chash`` pool's upstream has a ``balancer_by_lua_block`` (``nginx/upstreams.conf.j2``)
+whose ring ``kvgate.balancer.chash`` builds per worker from ``kvgate.json``. This module
+builds the same ring, so the control plane can tell which node is a route key's *home*
+(where its KV cache lives) without asking nginx; ``tests/data/ring_vectors.json`` holds
+golden vectors both sides are checked against, and ``tests/integration/test_ring_nginx.py``
+checks this ring against the real gateway.
 
-The algorithm is nginx's ``ngx_http_upstream_init_chash`` and
-``ngx_http_upstream_find_chash_point`` (``src/http/modules/ngx_http_upstream_hash_module.c``,
-read for nginx 1.22, the Debian 12 package), which follows the ketama scheme of
-Cache::Memcached::Fast ("crc32(HOST \\0 PORT PREV_HASH)"):
+The construction is nginx's ketama (``ngx_http_upstream_init_chash``, the ``hash ...
+consistent`` of nginx 1.22, after Cache::Memcached::Fast), with one change: a point is
+seeded from the node's **id**, where nginx uses the ``server`` line's ``HOST \\0 PORT``.
+A node's place on the ring is therefore a function of its id and weight: giving it a new
+address, writing its host as ``localhost`` on one gateway and ``127.0.0.1`` on another, or
+listing the nodes in another order moves no key.
 
-* For every server, in the order of the ``server`` lines, the ``server`` string as written
-  (``127.0.0.1:8101``) is split into HOST and PORT at its last ``:`` *only if* everything
-  after that ``:`` is digits (``ngx_http_upstream_init_chash`` scans back from the end and
-  stops at the first non-digit); otherwise HOST is the whole string and PORT is empty. A
-  ``unix:`` server (prefix matched case-insensitively) has HOST = the path after ``unix:``
-  and an empty PORT.
-* ``base = crc32 state after HOST + b"\\0" + PORT`` (``ngx_crc32_init`` then
-  ``ngx_crc32_update``: no final xor in between), ``prev = 0``; then ``160 × weight``
-  points, each ``hash = final(update(base, prev as 4 little-endian bytes))`` and
-  ``prev = hash``. ``ngx_crc32_update`` is the plain table CRC-32 without pre/post
-  conditioning, ``ngx_crc32_init`` sets ``0xffffffff`` and ``ngx_crc32_final`` xors it
-  again, so ``final(update(update(init, a), b))`` is the standard CRC-32 of ``a + b``:
-  ``zlib.crc32(HOST + b"\\0" + PORT + prev_le)``. (``zlib.crc32(b, zlib.crc32(a))`` is the
-  same value: zlib undoes its final xor when it continues.)
-* A server marked ``down`` keeps its points: nginx parses ``server ... down;`` with the
-  default ``weight=1``, so it has 160 points (not 160 × its usual weight), and
-  ``ngx_http_upstream_get_chash_peer`` skips it at lookup time, walking on to the next
-  point. ``weight=0`` is not valid nginx; ``kvgate.render`` writes ``down`` instead.
-* All points are sorted by hash with ``ngx_qsort`` (libc ``qsort``), then **runs of equal
-  hashes are collapsed to their first point** (``if (points->point[i].hash !=
-  points->point[j].hash) points->point[++i] = points->point[j]``). Which server's point
-  comes first in such a run depends on the sort's stability: Debian 12's glibc 2.36
-  ``qsort`` is a merge sort (stable) for these 16-byte elements, so the point generated
-  first wins, i.e. the server written earlier in the upstream block. Python's sort is
-  stable too, so this module keeps the same one (``tests/integration/test_ring_nginx.py``
-  checks it against nginx on keys crafted to land on shared hashes). A libc with an
-  unstable ``qsort`` (e.g. musl's smoothsort) may keep the other server there. Collisions
-  do happen: a pool of 4 nodes at ``weight=100`` has 64,000 points, about half a colliding
-  pair expected; 4 at ``weight=1000`` have about 30.
-* Lookup: ``ngx_crc32_long(key)`` (standard CRC-32 of the key bytes, :func:`key_point`);
-  the first point whose hash is ``>=`` it, wrapping past the last point to the first
-  (``hp->hash % points->number``). If that server is down, has failed
-  (``max_fails``/``fail_timeout``) or was already tried, nginx moves to the next point
-  (``hp->hash++``), at most 20 times; after that, and for an empty key or a single
-  server, it falls back to weighted round robin.
+* Per node, ``base = crc32 state after id + b"\\0"`` (``ngx_crc32_init`` then
+  ``ngx_crc32_update``, no final xor), ``prev = 0``; then ``160 × weight`` points, each
+  ``hash = final(update(base, prev as 4 little-endian bytes))`` and ``prev = hash``. Since
+  ``final(update(update(init, a), b))`` is the standard CRC-32 of ``a + b``, a point is
+  ``zlib.crc32(id + b"\\0" + prev_le)``. Raising a weight only appends points, so keys
+  move to that node and nowhere else.
+* ``weight`` is in nginx ``weight=`` units (``kvgate.render.WEIGHT_SCALE`` per policy unit).
+  A node that is down (weight 0 in force: draining, drained, ejected …) keeps
+  :data:`DOWN_WEIGHT` (160 points, as nginx gives ``server ... down;``) and is skipped at
+  lookup, so only its keys move. How many points it keeps does not change where they go:
+  a skipped node's key lands on the first point of another node after the key's place,
+  whatever the skipped node's points are.
+* All points are sorted by hash; of a run of equal hashes only the first is kept, and the
+  first is the point of the node whose id sorts first (bytewise, UTF-8). Collisions do
+  happen: 4 nodes at ``weight=1000`` have 640,000 points and about 30 shared hashes.
+* Lookup: the key's point is ``ngx_crc32_long(key)`` (standard CRC-32 of the key's bytes,
+  :func:`key_point`, logged as ``point``); its home is the owner of the first point whose
+  hash is ``>=`` it, wrapping past the last point to the first. :meth:`Ring.walk` gives the
+  distinct nodes in ring order from there; :meth:`Ring.route` the first of them that is not
+  down, failed or already tried (the gateway's failover goes to the next one), ``None`` when
+  there is none (then the gateway answers 502).
 
-A host name in a ``server`` line that resolves to several addresses gives several peers
-with the same ``server`` string: their points are identical and collapse into one set, so
-the ring is a function of the ``server`` strings and weights only.
+The ring of the ``hash $kvgate_route_key consistent`` upstreams before this (points from the
+``server`` strings, so keys moved with addresses) is gone; upgrading a gateway from it
+remaps keys once (docs/gateway.md, Routing).
 """
 
 from __future__ import annotations
@@ -67,14 +58,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from .policy.model import Policy
 
 POINTS_PER_WEIGHT = 160
-"""Ring points per unit of nginx ``weight=`` (``npoints = peer->weight * 160``)."""
-
-MAX_TRIES = 20
-"""``ngx_http_upstream_get_chash_peer`` gives up on the ring after this many extra points
-(``hp->tries > 20``) and falls back to round robin."""
+"""Ring points per unit of nginx ``weight=`` (nginx's ``npoints = peer->weight * 160``)."""
 
 DOWN_WEIGHT = 1
-"""The weight nginx gives a ``server ... down;`` line (its default ``weight``)."""
+"""The weight a down node keeps on the ring (nginx's default ``weight`` of a ``down`` server)."""
 
 _LE32 = struct.Struct("<I")
 
@@ -89,26 +76,9 @@ def key_point(key: str | bytes) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
-def split_server(server: str) -> tuple[bytes, bytes]:
-    """HOST and PORT bytes of a ``server`` string the way ``ngx_http_upstream_init_chash``
-    splits it (see the module docstring): ``"127.0.0.1:8101"`` → ``(b"127.0.0.1", b"8101")``,
-    ``"unix:/run/x.sock"`` → ``(b"/run/x.sock", b"")``, ``"backend"`` → ``(b"backend", b"")``."""
-    data = server.encode("utf-8")
-    if len(data) >= 5 and data[:5].lower() == b"unix:":
-        return data[5:], b""
-    for j in range(len(data)):
-        c = data[len(data) - j - 1]
-        if c == 0x3A:  # ':'
-            return data[: len(data) - j - 1], data[len(data) - j:]
-        if not 0x30 <= c <= 0x39:
-            break
-    return data, b""
-
-
-def server_points(server: str, weight: int) -> list[int]:
-    """The ``160 × weight`` point hashes nginx generates for one server, in generation order."""
-    host, port = split_server(server)
-    base = zlib.crc32(host + b"\0" + port)
+def node_points(node_id: str, weight: int) -> list[int]:
+    """The ``160 × weight`` point hashes of one node, in generation order."""
+    base = zlib.crc32(node_id.encode("utf-8") + b"\0")
     out: list[int] = []
     prev = 0
     pack = _LE32.pack
@@ -120,19 +90,19 @@ def server_points(server: str, weight: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _build(servers: tuple[tuple[str, int], ...]) -> tuple[array, array]:
-    """(sorted distinct hashes, index into ``servers`` of each point's owner) as compact
-    arrays (4 bytes + 2 bytes a point: 4 servers at ``weight=1000`` are 640,000 points, ~4 MB).
+def _build(nodes: tuple[tuple[str, int], ...]) -> tuple[array, array]:
+    """(sorted distinct hashes, index into ``nodes`` of each point's owner) as compact arrays
+    (4 bytes + 2 bytes a point: 4 nodes at ``weight=1000`` are 640,000 points, ~4 MB);
+    ``nodes`` sorted by id.
 
     Cached for the last few weight sets only: every ramp step or weight change is a new
     ring, and an unbounded cache of them would grow without end."""
-    if len(servers) > 0xFFFF:
-        raise ValueError("more than 65535 servers in one upstream")
+    if len(nodes) > 0xFFFF:
+        raise ValueError("more than 65535 nodes in one pool")
     packed: list[int] = []
-    for idx, (server, weight) in enumerate(servers):
-        packed.extend((h << 16) | idx for h in server_points(server, weight))
-    # sorting (hash, server index) packed in one int: for equal hashes the earlier server's
-    # point comes first, as nginx's sort leaves it (its points were generated first)
+    for idx, (node_id, weight) in enumerate(nodes):
+        packed.extend((h << 16) | idx for h in node_points(node_id, weight))
+    # (hash, index) packed in one int: of equal hashes the lower index (lower id) sorts first
     packed.sort()
     hashes = array("I")
     owners = array("H")
@@ -140,39 +110,46 @@ def _build(servers: tuple[tuple[str, int], ...]) -> tuple[array, array]:
     for v in packed:
         h = v >> 16
         if h == last:
-            continue  # nginx keeps the first point of a run of equal hashes
+            continue  # the first point of a run of equal hashes is kept
         hashes.append(h)
         owners.append(v & 0xFFFF)
         last = h
     return hashes, owners
 
 
+def _id_order(node_id: str) -> bytes:
+    return node_id.encode("utf-8")
+
+
 class Ring:
-    """nginx's ketama ring for one upstream block.
+    """The ketama ring of one pool, points from node ids.
 
     Args:
-        servers: ``(server string, nginx weight)`` per ``server`` line, in the upstream's
-            order (the order matters only for equal point hashes). A down server is listed
-            with the weight nginx gives it (:data:`DOWN_WEIGHT`) and named in ``down``.
-        labels: server string → the name :meth:`home` and friends return (e.g. node ids);
-            a server not in the map is returned as its server string.
-        down: labels of the servers marked ``down``: they own points but nginx skips them.
+        nodes: ``(node id, weight)`` per node, in any order (the ring sorts them by id).
+            ``weight`` in nginx ``weight=`` units, ``>= 1``; a down node is listed with
+            :data:`DOWN_WEIGHT` and named in ``down``.
+        down: ids of nodes that own points but are skipped (draining, drained, ejected …).
 
-    Building is cached per ``servers`` tuple (:func:`functools.lru_cache`), so making a
-    ``Ring`` for the same upstream again is cheap.
+    Raises:
+        ValueError: no node, a weight below 1, or an id listed twice.
+
+    Building is cached per node set (:func:`functools.lru_cache`), so making a ``Ring`` for
+    the same pool and weights again is cheap.
     """
 
-    def __init__(self, servers: Iterable[tuple[str, int]], *, labels: Mapping[str, str] | None = None,
-                 down: Iterable[str] = ()) -> None:
-        self.servers: tuple[tuple[str, int], ...] = tuple((str(s), int(w)) for s, w in servers)
-        if not self.servers:
-            raise ValueError("a ring needs at least one server")
-        for s, w in self.servers:
+    def __init__(self, nodes: Iterable[tuple[str, int]], *, down: Iterable[str] = ()) -> None:
+        self.nodes: tuple[tuple[str, int], ...] = tuple(
+            sorted(((str(i), int(w)) for i, w in nodes), key=lambda n: _id_order(n[0])))
+        if not self.nodes:
+            raise ValueError("a ring needs at least one node")
+        for (i, w), nxt in zip(self.nodes, self.nodes[1:] + (("", 1),)):
             if w < 1:
-                raise ValueError(f"server {s!r}: nginx weights are >= 1 (a down server has weight {DOWN_WEIGHT})")
-        self.labels: tuple[str, ...] = tuple((labels or {}).get(s, s) for s, _ in self.servers)
+                raise ValueError(f"node {i!r}: weights are >= 1 (a down node has weight {DOWN_WEIGHT})")
+            if i == nxt[0]:
+                raise ValueError(f"node id {i!r} appears twice")
+        self.ids: tuple[str, ...] = tuple(i for i, _ in self.nodes)
         self.down: frozenset[str] = frozenset(down)
-        self._hashes, self._owners = _build(self.servers)
+        self._hashes, self._owners = _build(self.nodes)
 
     def __len__(self) -> int:
         """Number of distinct points (after equal hashes are collapsed)."""
@@ -184,72 +161,64 @@ class Ring:
         return self._hashes
 
     def index(self, point: int) -> int:
-        """Index of the first ring point with hash ``>= point``, wrapping to 0
-        (``ngx_http_upstream_find_chash_point`` then ``% points->number``)."""
+        """Index of the first ring point with hash ``>= point``, wrapping to 0."""
         i = bisect.bisect_left(self._hashes, int(point) & 0xFFFFFFFF)
         return 0 if i == len(self._hashes) else i
 
     def owner(self, index: int) -> str:
-        """Label of the server that owns ring point number ``index`` (modulo the ring size)."""
-        return self.labels[self._owners[index % len(self._owners)]]
+        """Id of the node that owns ring point number ``index`` (modulo the ring size)."""
+        return self.ids[self._owners[index % len(self._owners)]]
 
     def home(self, point: int) -> str:
-        """The server owning the first point at or after ``point``: where nginx sends the
-        key when that server is up and has not failed (down or not)."""
+        """The node owning the first point at or after ``point``: where the gateway sends
+        the key when that node is up, has not failed and was not tried."""
         return self.owner(self.index(point))
 
     def walk(self, point: int) -> Iterator[str]:
-        """Distinct servers in ring order from the key's home: the order nginx tries them
-        in when earlier ones are down, failed or already tried (down ones included)."""
+        """Distinct nodes in ring order from the key's home: the order the gateway tries
+        them in when earlier ones are down, failed or already tried (down ones included)."""
         seen: set[str] = set()
-        distinct = len(set(self.labels))
+        distinct = len(self.ids)
         start = self.index(point)
         for k in range(len(self._owners)):
-            label = self.owner(start + k)
-            if label not in seen:
-                seen.add(label)
-                yield label
+            node = self.owner(start + k)
+            if node not in seen:
+                seen.add(node)
+                yield node
                 if len(seen) == distinct:
                     return
 
     def route(self, point: int, skip: Iterable[str] = ()) -> str | None:
-        """Where nginx sends the key when the servers in :attr:`down` and in ``skip``
-        (failed or tried) are unavailable: the owner of the first of at most
-        ``MAX_TRIES + 1`` points from the home point that is available; ``None`` when
-        those points are all unavailable (nginx then falls back to round robin)."""
+        """Where the gateway sends the key when the nodes in :attr:`down` and in ``skip``
+        (failed or tried) are unavailable: the first other node of :meth:`walk`; ``None``
+        when every node is unavailable."""
         unavailable = self.down | frozenset(skip)
-        start = self.index(point)
-        for k in range(MAX_TRIES + 1):
-            label = self.owner(start + k)
-            if label not in unavailable:
-                return label
-        return None
+        return next((n for n in self.walk(point) if n not in unavailable), None)
 
     def shares(self) -> dict[str, float]:
-        """Fraction of the 32-bit hash space each server is home for (its keys' share
-        for uniformly spread keys)."""
-        out = {label: 0.0 for label in self.labels}
+        """Fraction of the 32-bit hash space each node is home for (its keys' share for
+        uniformly spread keys)."""
+        out = {node: 0.0 for node in self.ids}
         hashes, owners = self._hashes, self._owners
         total = float(1 << 32)
         prev = hashes[-1] - (1 << 32)  # the wrap-around arc belongs to the first point
         for h, idx in zip(hashes, owners):
-            out[self.labels[idx]] += (h - prev) / total
+            out[self.ids[idx]] += (h - prev) / total
             prev = h
         return out
 
 
 def pool_ring(policy: Policy, pool_name: str, weights: Mapping[str, int] | None = None) -> Ring:
-    """The ring nginx builds for ``upstream pool_<pool_name>`` as :mod:`kvgate.render`
-    writes it, labelled with node ids.
+    """The ring the gateway builds for ``pool_name`` from the ``kvgate.json`` that
+    :mod:`kvgate.render` writes for ``policy`` and ``weights``.
 
     Args:
         policy: the policy in force.
         pool_name: a pool of ``policy``.
         weights: node id → nginx ``weight=`` in force (the control plane's
             ``plane.applied.weights``); a node not in the map gets ``base weight ×
-            WEIGHT_SCALE`` (as :class:`kvgate.render.Runtime` does); ``0`` means rendered
-            ``down``: the server keeps :data:`DOWN_WEIGHT` (160 points) and is in
-            :attr:`Ring.down`.
+            WEIGHT_SCALE`` (as :class:`kvgate.render.Runtime` does); ``0`` means down: the
+            node keeps :data:`DOWN_WEIGHT` (160 points) and is in :attr:`Ring.down`.
 
     Raises:
         KeyError: no pool of that name.
@@ -258,15 +227,12 @@ def pool_ring(policy: Policy, pool_name: str, weights: Mapping[str, int] | None 
     if pool is None:
         raise KeyError(pool_name)
     weights = weights or {}
-    servers: list[tuple[str, int]] = []
-    labels: dict[str, str] = {}
+    nodes: list[tuple[str, int]] = []
     down: list[str] = []
     for node in pool.nodes:
         w = int(weights.get(node.id, node.weight * WEIGHT_SCALE))
         if w <= 0:
             w = DOWN_WEIGHT
             down.append(node.id)
-        # the exact string upstreams.conf.j2 writes after `server`
-        servers.append((node.address, w))
-        labels[node.address] = node.id
-    return Ring(servers, labels=labels, down=down)
+        nodes.append((node.id, w))
+    return Ring(nodes, down=down)

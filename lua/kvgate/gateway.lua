@@ -12,6 +12,7 @@ local capture = require "kvgate.capture"
 local sse_guard = require "kvgate.sse_guard"
 local shutdown = require "kvgate.shutdown"
 local hash = require "kvgate.hash"
+local balancer = require "kvgate.balancer"
 local hot_prefix = require "kvgate.hot_prefix"
 local body_reader = require "kvgate.body"
 local request = require "kvgate.request"
@@ -62,6 +63,11 @@ function _M.init()
         -- init_by_lua is the one place an error is wanted: nginx refuses the config
         error("kvgate: " .. err)
     end
+    -- the chash rings, built once here: workers inherit them by fork
+    local ok, berr = balancer.init(cfg)
+    if not ok then
+        error("kvgate: " .. berr)
+    end
 end
 
 --- init_worker(): per-worker state and the request-log flush timer
@@ -69,6 +75,7 @@ function _M.init_worker()
     seen = lrucache.new(SEEN_ITEMS)
     hot = hot_prefix.new()
     reqlog.start()
+    balancer.init_worker()
     shutdown.start()
 end
 
@@ -198,6 +205,8 @@ function _M.access()
         count_sentinels(pool_name, pool, s_sentinel, u_sentinel)
     end
     var.kvgate_route_key = key
+    -- kvgate.balancer.chash reads the key from here (ngx.var costs it ~1.5 us a read)
+    ctx.route_key = key
     var.kvgate_upstream = pool.upstream
     ctx.routed = true
     ctx.pool = pool_name
@@ -446,6 +455,8 @@ function _M.upstream_error()
     -- ngx.ctx was reset by the internal redirect; the variables survive it
     local cfg = config.get()
     local up = var.kvgate_upstream or ""
+    -- the last node failed too: no retry ran the balancer to record it
+    balancer.failed_last(up, var.upstream_addr)
     ctx.routed = false
     local pool = cfg.upstream_pools[up]
     metrics.incr("kvgate_requests_total", {

@@ -173,7 +173,7 @@ def test_overload_degrades_to_least_conn_and_back_and_weights_follow_load(contro
                           extra="weights: {queue_high: 4, min_factor: 0.25, change_threshold: 0.2, min_interval_s: 0}")
     fleet.wait_reports()
     conf = fleet.run_dir / "nginx" / "conf" / "nginx.conf"
-    assert "hash $kvgate_route_key consistent" in conf.read_text()
+    assert 'require("kvgate.balancer").balance("default")' in conf.read_text()
 
     client = openai.AsyncOpenAI(base_url=fleet.gateway + "/v1", api_key="x", max_retries=0, timeout=120)
 
@@ -197,7 +197,7 @@ def test_overload_degrades_to_least_conn_and_back_and_weights_follow_load(contro
     while "least_conn;" in conf.read_text():
         assert time.monotonic() < deadline, "the pool never returned to chash"
         time.sleep(0.1)
-    assert "hash $kvgate_route_key consistent" in conf.read_text()
+    assert 'require("kvgate.balancer").balance("default")' in conf.read_text()
     switches = [e["data"]["to"] for e in reversed(fleet.events(kind="degrade"))]
     assert switches == ["least_conn", "chash"], switches
     metrics = fleet.api("GET", "/metrics").text

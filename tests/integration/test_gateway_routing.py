@@ -116,7 +116,7 @@ def test_reload_keeps_serving(start_sims, start_redis, start_gateway) -> None:
     new_policy = gw.policy.with_balancer("round_robin")
     assert gw.nginx.apply(new_policy) == "reloaded"
     assert gw.nginx.apply(new_policy) == "unchanged"
-    assert (gw.nginx.prefix / "conf/nginx.conf.last-good").read_text().count("hash $kvgate_route_key") == 1
+    assert (gw.nginx.prefix / "conf/nginx.conf.last-good").read_text().count('require("kvgate.balancer").balance(') == 1
     nodes = collections.Counter(_node(gw.chat("same prompt", max_tokens=1)) for _ in range(6))
     assert len(nodes) == 2, nodes
 

@@ -1,8 +1,8 @@
-"""kvgate.ring against nginx itself: for every route key, the Python ring names the node the
-real gateway (``hash $kvgate_route_key consistent``) sends it to, with unequal weights, with
-a ``down`` node, at the ring's edges and where two servers' points have the same hash; and
-the request log's ``point``/``tries`` fields feed kvgate.control.traffic.traffic_view (and its
-incremental TrafficTracker)."""
+"""kvgate.ring (the oracle) against the real gateway (the Lua ring of
+``kvgate.balancer.chash`` in nginx): for every route key, the Python ring names the node the
+gateway sends it to, with unequal weights, with a ``down`` node, at the ring's edges and where
+two nodes' points have the same hash; and the request log's ``point``/``tries`` fields feed
+kvgate.control.traffic.traffic_view (and its incremental TrafficTracker)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from gwfixtures import (
 )
 from kvgate.control.traffic import TrafficTracker, traffic_view
 from kvgate.render import WEIGHT_SCALE, Runtime
-from kvgate.ring import Ring, key_point, pool_ring, server_points
+from kvgate.ring import Ring, key_point, node_points, pool_ring
 
 WEIGHTS = [1, 2, 1, 3]  # policy weights → nginx weight=100, 200, 100, 300
 
@@ -127,11 +127,11 @@ def _edge_sessions(ring: Ring) -> list[str]:
 
 
 # ---------------------------------------------------------------- tests
-def test_python_ring_predicts_nginx_with_unequal_weights(weighted: Gateway) -> None:
+def test_python_ring_predicts_the_gateway_with_unequal_weights(weighted: Gateway) -> None:
     gw = weighted
     gw.redis.client().delete("kvgate:log")
     ring = pool_ring(gw.policy, "default", {})
-    assert [w for _, w in ring.servers] == [w * WEIGHT_SCALE for w in WEIGHTS]
+    assert dict(ring.nodes) == {s.node_id: w * WEIGHT_SCALE for s, w in zip(gw.sims, WEIGHTS)}
     sessions = [f"session-{i}" for i in range(200)] + _edge_sessions(ring)
     http = requests.Session()
     wrong = {}
@@ -195,17 +195,16 @@ def test_down_node_keys_move_to_the_next_point(weighted: Gateway) -> None:
         gw.nginx.apply(gw.policy)
 
 
-def test_equal_point_hashes_keep_the_first_server(ring_fleet: Fleet) -> None:
-    """Weight 10 (nginx weight=1000) on 4 nodes: 640,000 points, about 30 hashes shared by
-    points of two servers. nginx sorts the points and keeps the first of each run of equal
-    hashes; with Debian's stable qsort that is the point of the server listed first."""
+def test_equal_point_hashes_keep_the_lowest_id(ring_fleet: Fleet) -> None:
+    """Weight 10 (weight=1000) on 4 nodes: 640,000 points, about 30 hashes shared by points
+    of two nodes. The ring keeps the first of each run of equal hashes: the point of the node
+    whose id sorts first, whatever the order the nodes are listed in."""
     gw = ring_fleet.gateway([10, 10, 10, 10], redis=False)
     ring = pool_ring(gw.policy, "default", {})
-    order = [n.id for n in gw.policy.pools[0].nodes]
     first_owner: dict[int, str] = {}
     shared: dict[int, set[str]] = {}
     for node in gw.policy.pools[0].nodes:
-        for h in server_points(node.address, 1000):
+        for h in node_points(node.id, 1000):
             if h in first_owner and first_owner[h] != node.id:
                 shared.setdefault(h, {first_owner[h]}).add(node.id)
             first_owner.setdefault(h, node.id)
@@ -219,11 +218,11 @@ def test_equal_point_hashes_keep_the_first_server(ring_fleet: Fleet) -> None:
             served = _served_by(gw, forge_session(f"dup{n}-", target), http)
             if served != ring.home(target):
                 wrong.append((h, sorted(owners), served, ring.home(target)))
-    assert not wrong, f"nginx disagrees with kvgate.ring on shared hashes: {wrong}"
-    # and what the ring (so nginx) keeps is the point of the server listed first
+    assert not wrong, f"the gateway disagrees with kvgate.ring on shared hashes: {wrong}"
+    # and what the ring (so the gateway) keeps is the point of the lowest id
     for h, owners in shared.items():
         idx = ring.index(h)
-        assert ring.hashes[idx] == h and ring.owner(idx) == min(owners, key=order.index)
+        assert ring.hashes[idx] == h and ring.owner(idx) == min(owners)
 
 
 def test_failover_is_logged_and_leaves_home(weighted: Gateway) -> None:
@@ -246,7 +245,7 @@ def test_failover_is_logged_and_leaves_home(weighted: Gateway) -> None:
             tracker.update(gw.redis.client(), gw.policy, {})
     entries = _wait_log(gw, len(sessions))
     tries = [int(e["tries"]) for e in entries]
-    # each worker tries the dead node once (max_fails=1), then skips it for fail_timeout
+    # the dead node is tried once, then skipped for FAIL_TIMEOUT_S by every worker (kvgate_state)
     assert 1 <= tries.count(2) <= gw.policy.gateway.worker_processes
     assert set(tries) <= {1, 2}
     now = time.time()

@@ -102,7 +102,7 @@ def test_up_status_replay_down(stack, tmp_path):
 
     # the policy's own balancer is back after the replay
     conf = (run_dir / "nginx" / "conf" / "nginx.conf").read_text()
-    assert "consistent" in conf
+    assert 'require("kvgate.balancer").balance(' in conf  # chash: the Lua ring
 
     down = kvgate(run_dir, "down")
     assert down.returncode == 0

@@ -451,7 +451,12 @@ def test_compose_policy_renders_where_the_service_names_resolve(monkeypatch: pyt
     files = render(POLICY, default_lua_dir())
     conf = files["conf/nginx.conf"]
     assert f"listen {POLICY.gateway.listen};" in conf
+    data = yaml.safe_load(files["conf/kvgate.json"])          # JSON is YAML
     for node in POLICY.nodes():
         assert f"server {node.address} " in conf
-    data = yaml.safe_load(files["conf/kvgate.json"])          # JSON is YAML
+        # the Lua chash balancer connects to the address the service name resolved to
+        peer = f"{addresses[node.host]}:{node.port}"
+        assert data["nodes_by_addr"][peer] == node.id
+        assert {"id": node.id, "peer": peer}.items() <= next(
+            n for n in data["pools"][POLICY.pools[0].name]["nodes"] if n["id"] == node.id).items()
     assert data["redis"]["host"] == addresses["redis"]

@@ -197,7 +197,8 @@ def _policy(**pool):
 
 
 def _upstream(conf: str, name: str = "pool_p1") -> str:
-    m = re.search(r"upstream " + name + r" \{(.*?)\}", conf, re.S)
+    # up to the block's own closing brace (a balancer_by_lua_block has braces inside)
+    m = re.search(r"upstream " + name + r" \{(.*?)\n    \}", conf, re.S)
     assert m, conf
     return m.group(1)
 
@@ -243,10 +244,11 @@ def test_weight_zero_renders_down() -> None:
 def test_balancer_override_renders_least_conn() -> None:
     files = render(_policy(), default_lua_dir(), Runtime(balancers={"p1": "least_conn"}))
     up = _upstream(files["conf/nginx.conf"])
-    assert "least_conn;" in up and "hash " not in up
+    assert "least_conn;" in up and "hash " not in up and "balancer_by_lua" not in up
     assert json.loads(files["conf/kvgate.json"])["pools"]["p1"]["balancer"] == "least_conn"
-    # without the override the policy's chash is rendered
-    assert "hash $kvgate_route_key consistent;" in _upstream(render(_policy(), default_lua_dir())["conf/nginx.conf"])
+    # without the override the policy's chash is rendered (the Lua ring)
+    assert 'require("kvgate.balancer").balance("p1")' in _upstream(
+        render(_policy(), default_lua_dir())["conf/nginx.conf"])
 
 
 @needs_nginx

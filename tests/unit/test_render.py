@@ -12,7 +12,7 @@ import pytest
 
 from kvgate.nginxctl import Nginx, NginxError
 from kvgate.policy.loader import load_policy, parse_policy
-from kvgate.render import default_lua_dir, render
+from kvgate.render import Runtime, default_lua_dir, render
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "policies" / "demo.yaml"
@@ -34,7 +34,8 @@ def _policy(**pool_overrides):
 
 
 def _upstream(conf: str, name: str) -> str:
-    m = re.search(r"upstream " + name + r" \{(.*?)\}", conf, re.S)
+    # up to the block's own closing brace (a balancer_by_lua_block has braces inside)
+    m = re.search(r"upstream " + name + r" \{(.*?)\n    \}", conf, re.S)
     assert m, conf
     return m.group(1)
 
@@ -68,13 +69,44 @@ def test_render_is_deterministic() -> None:
 
 
 def test_chash_upstream_with_weights() -> None:
-    conf = render(_policy(), default_lua_dir())["conf/nginx.conf"]
-    up = _upstream(conf, "pool_p1")
-    assert "hash $kvgate_route_key consistent;" in up
+    files = render(_policy(), default_lua_dir())
+    up = _upstream(files["conf/nginx.conf"], "pool_p1")
+    # the Lua ring (kvgate.balancer.chash) picks the node; the server lines stay for nginx -t
+    assert 'require("kvgate.balancer").balance("p1")' in up
+    assert "hash $kvgate_route_key" not in up
     assert "server 127.0.0.1:9001 weight=300 max_fails=1 fail_timeout=10s;" in up
     assert "server 127.0.0.1:9002 weight=100 max_fails=1 fail_timeout=10s;" in up
     # the balancer directive must precede keepalive
-    assert up.index("hash ") < up.index("keepalive")
+    assert up.index("balancer_by_lua_block") < up.index("keepalive 64;")
+    pool = json.loads(files["conf/kvgate.json"])["pools"]["p1"]
+    assert pool["balancer"] == "chash"
+    assert pool["nodes"] == [
+        {"id": "a", "address": "127.0.0.1:9001", "peer": "127.0.0.1:9001", "weight": 300},
+        {"id": "b", "address": "127.0.0.1:9002", "peer": "127.0.0.1:9002", "weight": 100},
+    ]
+    down = render(_policy(), default_lua_dir(), Runtime(weights={"b": 0}))
+    assert "server 127.0.0.1:9002 down;" in _upstream(down["conf/nginx.conf"], "pool_p1")
+    assert json.loads(down["conf/kvgate.json"])["pools"]["p1"]["nodes"][1]["weight"] == 0
+
+
+def test_node_hosts_are_resolved_for_the_lua_balancer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # set_current_peer resolves nothing: the peer is an IP (IPv4 first), and $upstream_addr maps back
+    def fake(host, port, family=0, *_a, **_k):
+        if host != "gpu1.internal":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        if family == socket.AF_INET6:
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::7", port, 0, 0))]
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.7", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+    p = _policy(nodes=[{"id": "a", "url": "http://gpu1.internal:8000"}, {"id": "b", "url": "http://127.0.0.1:9002"}])
+    data = json.loads(render(p, default_lua_dir())["conf/kvgate.json"])
+    assert [n["peer"] for n in data["pools"]["p1"]["nodes"]] == ["10.0.0.7:8000", "127.0.0.1:9002"]
+    assert data["nodes_by_addr"]["10.0.0.7:8000"] == "a" and data["nodes_by_addr"]["gpu1.internal:8000"] == "a"
+    # a host that does not resolve stays a name: its server line fails nginx -t, as before
+    data = json.loads(render(_policy(nodes=[{"id": "a", "url": "http://gpu9.invalid:8000"}]),
+                             default_lua_dir())["conf/kvgate.json"])
+    assert data["pools"]["p1"]["nodes"][0]["peer"] == "gpu9.invalid:8000"
 
 
 def test_round_robin_and_least_conn() -> None:

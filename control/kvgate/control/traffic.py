@@ -3,8 +3,8 @@
 :class:`TrafficTracker` follows the request-log stream ``kvgate:log`` (written by
 ``lua/kvgate/reqlog.lua``: ``ts pool node status cache kind fp key ms point tries``) and
 gives, per pool over a window: cache outcomes, the **affinity ratio** (share of routed
-requests served by their route key's *home* node on nginx's consistent-hash ring, rebuilt
-by :mod:`kvgate.ring` from the entry's ``point``), failovers, 5xx errors and the hottest
+requests served by their route key's *home* node on the gateway's consistent-hash ring,
+rebuilt by :mod:`kvgate.ring` from the entry's ``point``), failovers, 5xx errors and the hottest
 route keys. It reads the window once, then only the entries added since its last update,
 and keeps per-pool time buckets in memory. :func:`traffic_view` gives the same figures in
 one go (a tracker used once). :func:`cache_stats` counts the response-cache entries
@@ -650,7 +650,7 @@ def traffic_view(r: redis.Redis, policy: Policy, weights: Mapping[str, int], win
     weight × 100 on that ring. So a drained node's keys stay homed on it, and the requests a
     drain moved elsewhere count as *not at home*: that is the intent, since those keys' KV
     cache is on the home node, and the ratio shows what a drain (or a failed node) costs.
-    With every node up, the home ring is nginx's own ring and a request is away from home
+    With every node up, the home ring is the gateway's own ring and a request is away from home
     only after a failover or a weight change (keys moved since the entry was logged: entries
     are judged against the weights in force now). For ``round_robin`` and ``least_conn``
     pools the same ring is used; their affinity ratio is then about 1/nodes, by chance.

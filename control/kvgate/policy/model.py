@@ -290,7 +290,8 @@ class PoolConfig(_Strict):
     models: list[str] = Field(min_length=1, description="Model names (the request's `model`) served by this pool.")
     balancer: Balancer = Field(
         "chash",
-        description="`chash`: nginx `hash $kvgate_route_key consistent` (ketama) with weights; "
+        description="`chash`: consistent hashing of the route key on a ketama ring built from node ids "
+        "(kvgate's Lua balancer: a node keeps its keys when its address changes) with weights; "
         "`round_robin` and `least_conn`: baselines.",
     )
     affinity: list[AffinityKey] = Field(

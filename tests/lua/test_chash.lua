@@ -1,0 +1,210 @@
+-- balancer/chash.lua against stand-ins for ngx (var, ctx, a shared dict, exit) and
+-- ngx.balancer (records the peer set); the real thing runs in tests/integration.
+local H = dofile("tests/lua/helper.lua")
+local ring = require "kvgate.balancer.ring"
+
+local now = 0
+local store = {}
+local dict = {
+    get = function(_, k)
+        local e = store[k]
+        if e and (not e.exp or e.exp > now) then
+            return e.v
+        end
+        return nil
+    end,
+    add = function(self, k, v, ttl)
+        if self:get(k) ~= nil then
+            return false, "exists"
+        end
+        return self:set(k, v, ttl)
+    end,
+    delete = function(_, k)
+        store[k] = nil
+    end,
+    set = function(_, k, v, ttl)
+        store[k] = { v = v, exp = ttl and ttl > 0 and now + ttl or nil }
+        return true
+    end,
+}
+local var = {}
+_G.ngx = {
+    var = var, ctx = {}, shared = { kvgate_state = dict },
+    crc32_long = ring.crc32,
+    log = function() end, WARN = 4, ERR = 3,
+    exit = function(code) return "exit", code end,
+}
+local B = { peer = nil, more = nil, failure = nil }
+package.loaded["ngx.balancer"] = {
+    set_current_peer = function(host, port)
+        B.peer = port and (host .. ":" .. port) or host
+        return true
+    end,
+    set_more_tries = function(n)
+        B.more = n
+        return true
+    end,
+    get_last_failure = function()
+        return B.failure
+    end,
+}
+local chash = require "kvgate.balancer.chash"
+
+local POOL = {
+    name = "p",
+    nodes = {
+        { id = "n1", address = "localhost:9001", peer = "127.0.0.1:9001", weight = 100 },
+        { id = "n2", address = "127.0.0.1:9002", peer = "127.0.0.1:9002", weight = 300 },
+        { id = "n3", address = "unix:/run/n3.sock", weight = 100 },
+        { id = "n4", address = "[::1]:9004", peer = "[::1]:9004", weight = 0 },
+    },
+}
+local ADDR = { n1 = "127.0.0.1:9001", n2 = "127.0.0.1:9002", n3 = "unix:/run/n3.sock", n4 = "[::1]:9004" }
+local ID = {}
+for id, a in pairs(ADDR) do
+    ID[a] = id
+end
+
+-- one request: the first try, then (failure = "failed"/"next") a retry; -> ids tried
+local function request(b, key, failures)
+    ngx.ctx = {}
+    var.kvgate_route_key = key
+    local out = {}
+    for t = 1, 1 + #(failures or {}) do
+        B.failure = t > 1 and failures[t - 1] or nil
+        B.peer = nil
+        local r = chash.balance(b)
+        if r == "exit" then
+            out[#out + 1] = "busy"
+            break
+        end
+        out[#out + 1] = ID[B.peer] or B.peer
+    end
+    return out
+end
+
+local function reset()
+    store = {}
+    now = 0
+end
+
+H.test("peers parse: IP:PORT, [IPv6]:PORT, unix:PATH; bad ones are errors", function()
+    H.eq(select(2, chash.parse_peer("127.0.0.1:80")), 80)
+    H.eq(chash.parse_peer("[::1]:8000"), "[::1]")
+    local host, port = chash.parse_peer("unix:/run/x.sock")
+    H.eq(host, "unix:/run/x.sock")
+    H.eq(port, nil)
+    H.eq(chash.parse_peer("127.0.0.1"), nil)
+    H.eq(chash.parse_peer("unix:"), nil)
+    H.eq(chash.parse_peer("h:99999"), nil)
+    local b, err = chash.new({ name = "x", nodes = { { id = "a", address = "nope", weight = 1 } } })
+    H.eq(b, nil)
+    H.truthy(err:find("node a", 1, true))
+end)
+
+H.test("a key goes to its home; a down node is skipped, its keys go to the next node", function()
+    reset()
+    local b = assert(chash.new(POOL))
+    H.eq(b.retries, 1)
+    local homes = {}
+    for i = 1, 400 do
+        local key = "s:k" .. i
+        local home = ring.home(b.ring, ring.crc32(key)).id
+        local got = request(b, key)[1]
+        homes[home] = (homes[home] or 0) + 1
+        H.ne(got, "n4", key)
+        if home ~= "n4" then
+            H.eq(got, home, key)
+        end
+        H.eq(ngx.ctx.balancer.home, home)
+        H.eq(B.more, 1)
+    end
+    H.truthy(homes.n4 and homes.n4 > 0, "down n4 keeps points")
+    H.truthy(homes.n2 > homes.n1 * 2, "weights")
+end)
+
+H.test("a failed try marks the node; the retry goes to the next node; then it is skipped", function()
+    reset()
+    local b = assert(chash.new(POOL))
+    local key
+    for i = 1, 400 do
+        key = "s:f" .. i
+        if ring.home(b.ring, ring.crc32(key)).id == "n2" then
+            break
+        end
+    end
+    local walk = ring.walk(b.ring, ring.crc32(key))
+    local nxt
+    for _, n in ipairs(walk) do
+        if n.id ~= "n2" and not n.down then
+            nxt = n.id
+            break
+        end
+    end
+    local tried = request(b, key, { "failed" })
+    H.eq(tried[1], "n2")
+    H.eq(tried[2], nxt)
+    -- marked for FAIL_TIMEOUT_S: the next request goes straight to the next node
+    H.eq(request(b, key)[1], nxt)
+    H.eq(dict:get(chash.FAIL_PREFIX .. "p:n2"), true)
+    -- another worker (its own instance) sees the mark at its next refresh
+    local other = assert(chash.new(POOL))
+    H.eq(request(other, key)[1], "n2")
+    chash.refresh(other)
+    H.eq(request(other, key)[1], nxt)
+    -- the mark expires: the node is tried again after the refresh
+    now = chash.FAIL_TIMEOUT_S + 1
+    H.eq(request(b, key)[1], nxt)
+    chash.refresh(b)
+    H.eq(request(b, key)[1], "n2")
+    -- a new config (reload) forgets the marks
+    chash.mark_failed(b, b.nodes[2])
+    H.eq(request(b, key)[1], nxt)
+    chash.forget(b)
+    H.eq(dict:get(chash.FAIL_PREFIX .. "p:n2"), nil)
+    H.eq(request(b, key)[1], "n2")
+    -- "next" (a 403/404 passed on) is not a failure
+    tried = request(b, key, { "next" })
+    H.eq(tried[2], nxt)
+    H.eq(request(b, key)[1], "n2")
+end)
+
+H.test("every node failed: they are tried again; every node down: busy (502)", function()
+    reset()
+    local b = assert(chash.new(POOL))
+    for _, id in ipairs({ "n1", "n2", "n3" }) do
+        dict:set(chash.FAIL_PREFIX .. "p:" .. id, true, 10)
+    end
+    chash.refresh(b)
+    H.truthy(b.nodes[1].failed and b.nodes[2].failed and b.nodes[3].failed)
+    local got = request(b, "s:any")[1]
+    H.truthy(got == "n1" or got == "n2" or got == "n3")
+    local down = assert(chash.new({ name = "d", nodes = {
+        { id = "a", address = "127.0.0.1:1", weight = 0 }, { id = "b", address = "127.0.0.1:2", weight = 0 } } }))
+    H.eq(request(down, "s:any")[1], "busy")
+    -- one node: no retry to ask for; its failed retry has no node left
+    local one = assert(chash.new({ name = "o", nodes = { { id = "a", address = "127.0.0.1:1", weight = 100 } } }))
+    H.eq(one.retries, 0)
+    local tried = request(one, "s:any", { "failed" })
+    H.eq(tried[2], "busy")
+end)
+
+H.test("an empty key: smooth weighted round robin over the nodes up", function()
+    reset()
+    local b = assert(chash.new(POOL))
+    local counts = {}
+    for _ = 1, 50 do
+        local got = request(b, "")[1]
+        counts[got] = (counts[got] or 0) + 1
+    end
+    H.eq(counts.n1, 10)
+    H.eq(counts.n2, 30)
+    H.eq(counts.n3, 10)
+    H.eq(counts.n4, nil)
+    H.eq(ngx.ctx.balancer.point, nil)
+    -- the retry goes to another node
+    local tried = request(b, "", { "failed" })
+    H.ne(tried[1], tried[2])
+end)
+
+H.done()
