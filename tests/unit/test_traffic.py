@@ -427,7 +427,11 @@ def test_tracker_stream_trimmed_deleted_or_replaced(r: redis.Redis) -> None:
     r.delete("kvgate:log")  # the stream is gone: nothing to read, the figures stay
     t.update(r, POLICY, BASE)
     assert tracked(t)["a"] == a and t.gaps == 1
-    add(r, node=h, key=k, point=p)  # back, with newer ids: read from its start
+    # back, with newer ids: read from its start. A stream made anew in the same millisecond
+    # as the last id read would get an id at or below it (Redis starts at <ms>-0): that is the
+    # "older ids" case below, so let the clock move on first
+    time.sleep(0.003)
+    add(r, node=h, key=k, point=p)
     t.update(r, POLICY, BASE)
     assert tracked(t)["a"]["requests"] == a["requests"] + 1 and t.gaps == 2
     # replaced by a stream whose ids are older than the last one read (a restored
