@@ -56,6 +56,8 @@ def test_a_stream_outliving_the_grace_ends_with_an_error_event(start_mocks, star
     # cut at grace - read timeout - 1 s = 1 s after the reload, before the grace (3 s) ends
     assert 0.5 <= took < 3.0, took
     assert len(rest) < 60  # the stream was cut, not run to its end
+    print(f"stream ended {took:.2f} s after the reload (grace 3 s) with {len(rest) - 1} more content events "
+          f"and the gateway_shutdown error event")
     deadline = time.monotonic() + 5
     while gw.metric_sum("kvgate_stream_cuts_total", reason="shutdown-grace") < 1:
         assert time.monotonic() < deadline, "kvgate_stream_cuts_total{reason=shutdown-grace} not counted"
