@@ -159,3 +159,18 @@ def test_policy_reference_doc_is_current():
 
     doc = (REPO / "docs" / "policy-reference.md").read_text()
     assert doc == markdown(), "docs/policy-reference.md is stale: run `python -m kvgate.policy.docs > docs/policy-reference.md`"
+
+
+@pytest.mark.parametrize("gateway, grace", [
+    ("{}", 900),
+    ("{read_timeout_s: 1000}", 1300),  # follows the read timeout: streams still get 299 s past a reload
+    ("{read_timeout_s: 2.5}", 303),
+    ("{read_timeout_s: 30, worker_shutdown_timeout_s: 31}", 31),
+])
+def test_reload_grace_follows_the_read_timeout_unless_set(gateway, grace):
+    from kvgate.render import stream_cut_after_s
+
+    gw = parse_policy_text(MINIMAL + f"gateway: {gateway}\n").gateway
+    assert gw.worker_shutdown_timeout_s == grace
+    cut = stream_cut_after_s(gw.worker_shutdown_timeout_s, gw.read_timeout_s)
+    assert cut == (299 if grace > 303 else grace - gw.read_timeout_s - 1)

@@ -8,6 +8,7 @@ checked after the fields themselves.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -16,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 AffinityKey = Literal["session", "user", "prefix"]
 Balancer = Literal["chash", "round_robin", "least_conn"]
+
+GRACE_OVER_READ_TIMEOUT_S = 300
+"""Default reload grace beyond the read timeout (gateway.worker_shutdown_timeout_s when not set)."""
 
 _HEADER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]*$")
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -75,12 +79,13 @@ class GatewayConfig(_Strict):
         "bodies have only the idle timeout.",
     )
     worker_shutdown_timeout_s: int = Field(
-        900, ge=1,
+        900, ge=1, validate_default=True,
         description="How long old workers may finish streams after a reload (seconds, nginx "
         "`worker_shutdown_timeout`). Must be at least `read_timeout_s` + 1: a stream still sending "
         "`worker_shutdown_timeout_s - read_timeout_s - 1` s after the reload is ended with an error event "
         "(counted in `kvgate_stream_cuts_total`), and one silent then ends by the read timeout, so no stream "
-        "is ever cut without a word. With the defaults (600 s read timeout) streams may run 299 s past a reload.",
+        "is ever cut without a word. Default: `read_timeout_s` + 300 (900 with the default read timeout), so "
+        "streams may run 299 s past a reload.",
     )
 
     @field_validator("listen")
@@ -97,6 +102,17 @@ class GatewayConfig(_Strict):
             raise ValueError(f"must be at least client_body_timeout_s = {idle:g} s (the idle timeout would never "
                              "apply)")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_grace(cls, data: Any) -> Any:
+        # the grace follows the read timeout unless set: a policy that only raises read_timeout_s
+        # must not end every stream at the first reload (cut_streams_after_s would be 0)
+        if isinstance(data, dict) and "worker_shutdown_timeout_s" not in data:
+            rt = data.get("read_timeout_s")
+            if isinstance(rt, (int, float)) and not isinstance(rt, bool) and 0 < rt < 1e9:
+                data = {**data, "worker_shutdown_timeout_s": math.ceil(rt) + GRACE_OVER_READ_TIMEOUT_S}
+        return data
 
     @field_validator("worker_shutdown_timeout_s")
     @classmethod
