@@ -503,6 +503,31 @@ function _M.malformed()
     return errors.send(400, "The HTTP request is malformed (request line or headers)", "malformed_request")
 end
 
+-- nginx's own refusals that reach /kvgate/errors/status: status → code, message
+local NGINX_STATUS = {
+    [404] = { "not_found", function() return "Unknown path " .. (match(var.request_uri or "", "^[^?]*") or "") end },
+    [405] = { "method_not_allowed", function() return "The method " .. ngx.req.get_method() .. " is not allowed" end },
+    [501] = { "unsupported_transfer_encoding", function()
+        return "Transfer-Encoding " .. (var.http_transfer_encoding or "?") ..
+            " is not supported: send the body with Content-Length or chunked"
+    end },
+    [505] = { "http_version_not_supported", function()
+        return "HTTP version not supported: use HTTP/1.1 (or HTTP/1.0)"
+    end },
+}
+
+--- nginx_status(): content for nginx's own 404/405/501/505 (error_page … /kvgate/errors/status),
+-- in OpenAI's format with nginx's status kept
+function _M.nginx_status()
+    local status = ngx.status
+    local e = NGINX_STATUS[status]
+    if not e then
+        status = 400
+        return errors.send(status, "The HTTP request is malformed", "malformed_request")
+    end
+    return errors.send(status, e[2](), e[1])
+end
+
 --- body_timeout(): content for /kvgate/errors/408, where the access phase sends a request
 -- whose body stalled (?why=idle) or passed its deadline (?why=deadline)
 function _M.body_timeout()
