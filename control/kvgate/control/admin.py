@@ -612,8 +612,9 @@ def init_admin(app: Flask, plane: ControlPlane, token: str) -> None:
             return done(str(exc.args[0]), 404, "error")
         except (InvalidTransition, Conflict) as exc:
             text = str(exc)
-            if isinstance(exc, Conflict) and "pass force" in text and not _wants_json():
-                text = text.replace("pass force to do it anyway", "tick 'Drain even if it is the last serving node' "
+            cli_hint = "force it (kvgate drain --force, or force=true in the API) to do it anyway"
+            if isinstance(exc, Conflict) and cli_hint in text and not _wants_json():
+                text = text.replace(cli_hint, "tick 'Drain even if it is the last serving node' "
                                     "on the confirmation to do it anyway")
             return done(text, 409, "error")
         except ApplyError as exc:

@@ -1256,7 +1256,8 @@ class ControlPlane:
                 return self.node_view(node_id)
             if rec["state"] in st.SERVING and not force and not self._others_serving(rec):
                 raise Conflict(f"{node_id} is the last serving node of pool {rec['pool']!r}: draining it leaves the "
-                               "pool without a node and every request to it fails (502); pass force to do it anyway")
+                               "pool without a node and every request to it fails (502); force it (kvgate drain --force, or "
+                               "force=true in the API) to do it anyway")
             previous = dict(rec)
             self._transition(rec, st.DRAINING, f"drain requested by {reason}", action="drain")
             now = time.time()
