@@ -142,14 +142,15 @@ def drain_command(ctx, node: str, wait: bool, timeout: float, force: bool, contr
         count = f"{max(known):.0f} request(s)" if known else "an unknown number of requests"
         took = (d.get("deadline") or 0) - (d.get("started") or 0)
         click.echo(f"error: {node}: the drain timed out after {took:.0f}s with {count} still in flight (gateway "
-                   f"{_num(g)}, engine {_num(e)}): it takes no new requests, but stopping its engine now cuts "
-                   "what is in flight; follow it with `kvgate nodes`", err=True)
+                   f"{_num(g)}, engine {_num(e)}, when it timed out): it takes no new requests, but stopping its "
+                   "engine while requests run cuts them; see what is in flight now with `kvgate nodes --json` "
+                   "(inflight_gateway, inflight_engine)", err=True)
         sys.exit(1)
     click.echo(f"{node}: drained ({n.get('reason')})")
 
 
 def _num(v) -> str:
-    return "?" if v is None else f"{v:.0f}"
+    return "unknown" if v is None else f"{v:.0f}"
 
 
 def _work(b: dict) -> str:
