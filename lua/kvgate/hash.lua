@@ -13,8 +13,15 @@ local function hex_byte(c)
     return format("%02x", byte(c))
 end
 
+-- a sha256 digest in one format call: ~0.3 us against ~3 us for gsub with a callback
+-- (which the JIT does not compile), paid by every route and cache key
+local HEX32 = string.rep("%02x", 32)
+
 --- to_hex(bin) -> lowercase hex string (nginx.string needs an nginx symbol, so not used here)
 function _M.to_hex(bin)
+    if #bin == 32 then
+        return (format(HEX32, byte(bin, 1, 32)))
+    end
     return (gsub(bin, ".", hex_byte))
 end
 
