@@ -226,8 +226,9 @@ def data_config(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any
             "ttl_s": policy.cache.ttl_s,
             "max_entry_bytes": policy.cache.max_entry_bytes,
             "namespace_version": max(policy.cache.namespace_version, runtime.namespace_version or 0),
-            # lowercase: ngx.req.get_headers() keys are lowercase
-            "credential_header": policy.cache.credential_header.lower(),
+            # lowercase, in the policy's order: ngx.req.get_headers() keys are lowercase (the
+            # names also enter the credential digest, so the policy's spelling does not)
+            "credential_headers": [h.lower() for h in policy.cache.credential_headers],
         },
         "redis": {
             "host": redis_host(policy),

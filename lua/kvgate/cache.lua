@@ -9,7 +9,7 @@
 -- Entries hold the final completion JSON (rebuilt from the chunks for streams),
 -- so a hit is replayed as SSE to a streaming client and as JSON otherwise. Only whole
 -- answers are stored (sse.finished), and every entry is scoped to the caller's
--- credential (cache_key.credential of cfg.cache.credential_header).
+-- credential (cache_key.credential of cfg.cache.credential_headers).
 local cjson = require "cjson.safe"
 local json = require "kvgate.json"
 local cache_key = require "kvgate.cache_key"
@@ -26,6 +26,8 @@ local _M = {}
 
 local STATE = "kvgate_state"
 local WARN_INTERVAL_S = 10
+-- policy.cache.credential_headers' default (a kvgate.json rendered without the list)
+local DEFAULT_CREDENTIAL_HEADERS = { "authorization", "api-key", "x-api-key" }
 
 local function cache_error(op, err)
     metrics.incr("kvgate_cache_errors_total", { op = op })
@@ -42,7 +44,7 @@ end
 
 --- lookup(cfg, ctx, req, endpoint, headers) -> cached completion JSON | nil
 -- headers: ngx.req.get_headers() (every Cache-Control header counts, not only the first;
--- so does every value of the credential header).
+-- so does every value of each credential header).
 -- Sets ctx.cache (HIT|MISS|BYPASS), ctx.cache_reason and, on a miss, ctx.cache_key.
 function _M.lookup(cfg, ctx, req, endpoint, headers)
     ctx.cache = "BYPASS"
@@ -61,10 +63,10 @@ function _M.lookup(cfg, ctx, req, endpoint, headers)
         metrics.incr("kvgate_cache_errors_total", { op = "skipped" })
         return nil
     end
-    -- Entries are scoped to the caller's credential (one sha256 of a header value), so a
-    -- hit never answers a caller the engine would have refused, and X-Kvgate-Cache tells
-    -- a caller only about its own requests. The header value itself goes no further.
-    local cred, kerr = cache_key.credential(headers[ccfg.credential_header or "authorization"])
+    -- Entries are scoped to the caller's credential (one sha256 of every credential header
+    -- sent), so a hit never answers a caller the engine would have refused, and
+    -- X-Kvgate-Cache tells a caller only about its own requests. The values go no further.
+    local cred, kerr = cache_key.credential(headers, ccfg.credential_headers or DEFAULT_CREDENTIAL_HEADERS)
     local key
     if cred then
         key, kerr = cache_key.key(req, endpoint, cfg.tenant, ccfg.namespace_version, cred)

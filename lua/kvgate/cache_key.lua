@@ -2,8 +2,8 @@
 --
 -- key = "kvgate:resp:v<N>:<tenant>:" .. sha256(canonical JSON of
 --        {endpoint, tenant, v, cred, req = request minus EXCLUDED fields})
--- cred is the digest of the caller's credential (credential()): callers with different
--- credentials, or with none, never share an entry. Only that digest enters the material
+-- cred is the digest of the caller's credential headers (credential()): callers with
+-- different credentials, or with none, never share an entry. Only that digest enters the material
 -- and the key is a hash of the material, so the credential never reaches Redis, and the
 -- key does not show which entries belong to one caller.
 -- Every other top-level field is part of the key, as sent: the model, the whole
@@ -17,13 +17,13 @@ local prompt = require "kvgate.prompt"
 
 local type = type
 local pairs = pairs
+local rawget = rawget
 local gsub = string.gsub
 local format = string.format
 local byte = string.byte
 local lower = string.lower
 local find = string.find
 local tostring = tostring
-local concat = table.concat
 
 local _M = {}
 
@@ -40,30 +40,42 @@ local function escape_scope(s)
     end))
 end
 
--- cred of a request without the credential header
+-- cred of a request that sends none of the credential headers (the anonymous scope)
 _M.NO_CREDENTIAL = "none"
 
---- credential(value) -> digest | nil, err
--- value: the credential header as ngx.req.get_headers() gives it: nil (absent), a string,
--- or a list of strings (repeated header: every value counts, in order, since the engine
--- may read any of them). Returns NO_CREDENTIAL for nil, else the sha256 hex of the
--- values, each length-prefixed so no two lists of values give the same input.
-function _M.credential(value)
-    if value == nil then
+--- credential(headers, names) -> digest | nil, err
+-- headers: ngx.req.get_headers() (lowercase names; a value is a string, or a list of
+-- strings when the header is repeated). names: the lowercase credential header names, in
+-- the policy's order (cfg.cache.credential_headers). Returns NO_CREDENTIAL when none of
+-- them is present, else the sha256 hex of every present one: its name, its count of
+-- values and each value length-prefixed (all values count, in order, since the engine may
+-- read any of them). Names hold no newline (policy-validated header names), so the input
+-- parses back one way only: no two combinations of headers and values collide.
+function _M.credential(headers, names)
+    local input
+    for i = 1, #names do
+        local name = names[i]
+        -- rawget: names are lowercase already, so a miss skips ngx_lua's lowercasing __index
+        local v = rawget(headers, name)
+        if v ~= nil then
+            local part
+            if type(v) == "table" then
+                part = name .. "\n" .. #v .. "\n"
+                for j = 1, #v do
+                    local s = tostring(v[j])
+                    part = part .. #s .. ":" .. s
+                end
+            else
+                part = name .. "\n1\n" .. #v .. ":" .. v
+            end
+            -- no table for the common case of one or two headers sent once
+            input = input and input .. part or part
+        end
+    end
+    if not input then
         return _M.NO_CREDENTIAL
     end
-    local s
-    if type(value) == "table" then
-        local parts = {}
-        for i = 1, #value do
-            local v = tostring(value[i])
-            parts[i] = #v .. ":" .. v
-        end
-        s = concat(parts, ",")
-    else
-        s = #value .. ":" .. value
-    end
-    return hash.sha256_hex(s)
+    return hash.sha256_hex(input)
 end
 
 --- material(req, endpoint, tenant, version, cred) -> canonical string that is hashed

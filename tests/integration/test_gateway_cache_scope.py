@@ -6,11 +6,13 @@ replayed that"."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import urlsplit
 
 import pytest
 import requests
@@ -156,29 +158,104 @@ def test_callers_with_different_credentials_never_share_an_entry(gw: Gateway, st
         assert secret not in logs
 
 
-def test_repeated_credential_headers_all_count(gw: Gateway) -> None:
-    payload = body("two authorization headers")
-    assert post(gw, payload, {"Authorization": "Bearer one"}).headers["X-Kvgate-Cache"] == "MISS"
-    wait_cached(gw, 1)
-    # a second value behind the first is another credential (the engine may read either)
-    two = [("Authorization", "Bearer one"), ("Authorization", "Bearer two")]
-    r = requests.post(gw.url + "/v1/chat/completions", data=json.dumps(payload),
-                      headers=_multi_headers(two), timeout=15)
-    assert r.status_code == 200
-    assert r.headers["X-Kvgate-Cache"] == "MISS"
-    wait_cached(gw, 2)
-    assert len(engine(gw).completions()) == 2
+def post_raw(gw: Gateway, payload: dict, pairs: list[tuple[str, str]]) -> tuple[int, dict[str, str], bytes]:
+    """POST /v1/chat/completions with exactly these headers, a repeated name sent as many times as
+    listed (requests keeps only the last value of a repeated name). -> (status, headers, body)."""
+    u = urlsplit(gw.url)
+    data = json.dumps(payload).encode()
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=15)
+    try:
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(data)))
+        for k, v in pairs:
+            conn.putheader(k, v)
+        conn.endheaders(data)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
 
 
-def _multi_headers(pairs: list[tuple[str, str]]) -> Any:
-    """Headers with a repeated name (requests/urllib3 send each pair of an HTTPHeaderDict)."""
-    from urllib3._collections import HTTPHeaderDict
+API_KEY_HEADERS = ["api-key", "X-Api-Key"]
 
-    h = HTTPHeaderDict()
-    h.add("Content-Type", "application/json")
-    for k, v in pairs:
-        h.add(k, v)
-    return h
+
+@pytest.mark.parametrize("header", API_KEY_HEADERS)
+def test_an_api_key_callers_entry_is_served_to_no_one_else(gw: Gateway, header: str) -> None:
+    # an engine or proxy that takes the key in api-key (Azure-style clients) or X-Api-Key
+    other = API_KEY_HEADERS[1 - API_KEY_HEADERS.index(header)]
+    k1, k2 = "azure-key-one-5c1e9a", "azure-key-two-73bd02"
+    callers = {"k1": {header: k1}, "none": {}, "k2": {header: k2}, "k1 in the other header": {other: k1}}
+    payload = body(f"keyed by {header}")
+    first: dict[str, str] = {}
+    for n, (name, headers) in enumerate(callers.items(), start=1):
+        r = post(gw, payload, headers)
+        assert r.status_code == 200, r.text
+        assert r.headers["X-Kvgate-Cache"] == "MISS", name
+        first[name] = answer_text(r)
+        wait_cached(gw, n)
+    mock = engine(gw)
+    assert len(mock.completions()) == 4 and len(set(mock.nonces)) == 4
+    assert len(resp_keys(gw)) == 4
+    for name, headers in callers.items():
+        r = post(gw, payload, headers)
+        assert r.headers["X-Kvgate-Cache"] == "HIT", name
+        assert answer_text(r) == first[name], name
+    assert len(mock.completions()) == 4
+    stored, logs = redis_text(gw), gateway_logs(gw)
+    for secret in (k1, k2):
+        assert secret not in stored and secret not in logs
+
+
+def test_a_caller_sending_authorization_and_api_key_is_scoped_by_both(gw: Gateway) -> None:
+    callers = {
+        "A+K": {"Authorization": "Bearer a", "api-key": "k"},
+        "A": {"Authorization": "Bearer a"},
+        "K": {"api-key": "k"},
+        "A+K2": {"Authorization": "Bearer a", "api-key": "k2"},
+        "A2+K": {"Authorization": "Bearer a2", "api-key": "k"},
+        "A+K+X": {"Authorization": "Bearer a", "api-key": "k", "X-Api-Key": "k"},
+    }
+    payload = body("two credentials at once")
+    for n, (name, headers) in enumerate(callers.items(), start=1):
+        r = post(gw, payload, headers)
+        assert r.status_code == 200, r.text
+        assert r.headers["X-Kvgate-Cache"] == "MISS", name
+        wait_cached(gw, n)
+    for name, headers in callers.items():
+        assert post(gw, payload, headers).headers["X-Kvgate-Cache"] == "HIT", name
+    assert len(engine(gw).completions()) == len(callers)
+
+
+@pytest.mark.parametrize("header", API_KEY_HEADERS)
+def test_every_value_of_a_repeated_credential_header_counts(gw: Gateway, header: str) -> None:
+    payload = body(f"{header} sent twice")
+    sends = [[(header, "k1")], [(header, "k1"), (header, "k2")], [(header, "k2"), (header, "k1")]]
+    for n, pairs in enumerate(sends, start=1):
+        status, headers, text = post_raw(gw, payload, pairs)
+        assert status == 200, text
+        # a value behind the first is another credential (the engine may read either)
+        assert headers["x-kvgate-cache"] == "MISS", pairs
+        wait_cached(gw, n)
+    for pairs in sends:
+        assert post_raw(gw, payload, pairs)[1]["x-kvgate-cache"] == "HIT", pairs
+    assert len(engine(gw).completions()) == len(sends)
+
+
+def test_nginx_refuses_a_repeated_authorization_header(gw: Gateway) -> None:
+    # nginx 1.22 itself answers 400 to a second Authorization header (before any Lua runs),
+    # so only the other credential headers can carry several values to the engine
+    one, two = "Bearer sk-first-4e0c1b", "Bearer sk-second-9a7d35"
+    status, headers, text = post_raw(gw, body("two authorization headers"),
+                                     [("Authorization", one), ("Authorization", two)])
+    assert status == 400, text
+    assert headers["content-type"].startswith("application/json")
+    assert json.loads(text)["error"]["type"] == "invalid_request_error"
+    assert engine(gw).completions() == []
+    assert resp_keys(gw) == []
+    # nginx names the duplicate line at `info`, below the gateway's error_log level
+    logs = gateway_logs(gw)
+    assert one not in logs and two not in logs
 
 
 def test_an_engine_api_key_is_not_bypassed_by_a_cached_answer(start_mocks, start_redis, start_gateway) -> None:
@@ -200,16 +277,18 @@ def test_an_engine_api_key_is_not_bypassed_by_a_cached_answer(start_mocks, start
     assert len(resp_keys(gw)) == 1
 
 
-def test_the_policy_can_name_the_credential_header(start_mocks, start_redis, start_gateway) -> None:
+def test_the_policy_names_the_credential_headers(start_mocks, start_redis, start_gateway) -> None:
     (mock,) = start_mocks(1, prefix="h")
-    gw = start_gateway([mock], start_redis(), cache={"credential_header": "X-Api-Key"})
-    payload = body("keyed by x-api-key")
-    assert post(gw, payload, {"X-Api-Key": "k1"}).headers["X-Kvgate-Cache"] == "MISS"
+    # names are case-insensitive: the policy's spelling need not be the client's
+    gw = start_gateway([mock], start_redis(), cache={"credential_headers": ["X-API-Key"]})
+    payload = body("keyed by x-api-key only")
+    assert post(gw, payload, {"x-api-key": "k1"}).headers["X-Kvgate-Cache"] == "MISS"
     wait_cached(gw, 1)
     assert post(gw, payload, {"X-Api-Key": "k2"}).headers["X-Kvgate-Cache"] == "MISS"
     wait_cached(gw, 2)
-    # the named header replaces Authorization as the scope
-    assert post(gw, payload, {"X-Api-Key": "k1", "Authorization": "Bearer z"}).headers["X-Kvgate-Cache"] == "HIT"
+    # the listed headers replace the default list: Authorization and api-key are not read
+    hit = {"X-Api-Key": "k1", "Authorization": "Bearer z", "api-key": "z"}
+    assert post(gw, payload, hit).headers["X-Kvgate-Cache"] == "HIT"
     assert len(mock.completions()) == 2
 
 

@@ -115,36 +115,85 @@ H.test("no-cache asks for revalidation, in any Cache-Control header", function()
     H.eq(cache_key.revalidate(nil), false)
 end)
 
+local NAMES = { "authorization", "api-key", "x-api-key" }
+
+local function cred(headers, names)
+    return assert(cache_key.credential(headers, names or NAMES))
+end
+
 H.test("the credential scopes the key; only its digest enters the material", function()
     local r = cjson.decode(BASE)
-    local none = cache_key.credential(nil)
-    local a = assert(cache_key.credential("Bearer sk-a"))
-    local b = assert(cache_key.credential("Bearer sk-b"))
+    local none = cred({})
+    local a = cred({ authorization = "Bearer sk-a" })
+    local b = cred({ authorization = "Bearer sk-b" })
     H.eq(none, cache_key.NO_CREDENTIAL)
     H.eq(#a, 64)
     H.ne(a, b)
-    H.eq(cache_key.credential("Bearer sk-a"), a)
+    H.eq(cred({ authorization = "Bearer sk-a", ["user-agent"] = "x" }), a)
     local keys = {}
-    for _, cred in ipairs({ none, a, b, assert(cache_key.credential("")) }) do
-        local k = cache_key.key(r, "chat", "default", 1, cred)
+    for _, c in ipairs({ none, a, b, cred({ authorization = "" }) }) do
+        local k = cache_key.key(r, "chat", "default", 1, c)
         H.truthy(k:match("^kvgate:resp:v1:default:%x+$"), k)
         H.truthy(not keys[k], "two credentials share " .. k)
         keys[k] = true
-        H.truthy(not cache_key.material(r, "chat", "default", 1, cred):find("sk-", 1, true))
+        H.truthy(not cache_key.material(r, "chat", "default", 1, c):find("sk-", 1, true))
     end
     -- nil cred is the anonymous caller
     H.eq(cache_key.key(r, "chat", "default", 1), cache_key.key(r, "chat", "default", 1, none))
 end)
 
+H.test("every listed header scopes the key: api-key and x-api-key callers are not anonymous", function()
+    local none = cred({})
+    local seen = { [none] = "none" }
+    local cases = {
+        { ["api-key"] = "k1" }, { ["x-api-key"] = "k1" }, { authorization = "k1" }, { ["api-key"] = "k2" },
+        { authorization = "Bearer a", ["api-key"] = "k" }, { authorization = "Bearer a", ["x-api-key"] = "k" },
+        { authorization = "Bearer a", ["api-key"] = "k", ["x-api-key"] = "k" },
+        { ["api-key"] = "k", ["x-api-key"] = "k" },
+    }
+    for i, h in ipairs(cases) do
+        local d = cred(h)
+        H.truthy(not seen[d], "case " .. i .. " collides with " .. tostring(seen[d]))
+        seen[d] = i
+    end
+    -- headers that are not listed do not count
+    H.eq(cred({ cookie = "s=1", ["proxy-authorization"] = "x" }), none)
+    H.eq(cred({ authorization = "Bearer a", cookie = "s=1" }), cred({ authorization = "Bearer a" }))
+    -- the policy's list decides: a header left out of it is not read
+    H.eq(cred({ authorization = "Bearer a", ["x-api-key"] = "k" }, { "x-api-key" }), cred({ ["x-api-key"] = "k" }, { "x-api-key" }))
+    H.eq(cred({ authorization = "Bearer a" }, { "x-api-key" }), none)
+end)
+
 H.test("every value of a repeated credential header counts, in order", function()
-    local one = cache_key.credential("Bearer x")
-    H.eq(cache_key.credential({ "Bearer x" }), one)
+    local one = cred({ ["x-api-key"] = "x" })
+    H.eq(cred({ ["x-api-key"] = { "x" } }), one)
     local seen = { [one] = true }
-    for _, v in ipairs({ { "Bearer x", "Bearer y" }, { "Bearer y", "Bearer x" }, { "Bearer x,", "Bearer y" },
-                         { "Bearer x", ",Bearer y" }, { "Bearer x", "" } }) do
-        local d = cache_key.credential(v)
+    for _, v in ipairs({ { "x", "y" }, { "y", "x" }, { "x,", "y" }, { "x", ",y" }, { "x", "" }, { "x", "x" } }) do
+        local d = cred({ ["x-api-key"] = v })
         H.truthy(not seen[d], table.concat(v, "|") .. " collides")
         seen[d] = true
+    end
+end)
+
+H.test("no two combinations of names and values give the same digest input", function()
+    -- values shaped like the encoding itself (name, count, length-prefixed values)
+    local combos = {
+        { authorization = "x", ["api-key"] = "y" },
+        { authorization = "x\napi-key\n1\n1:y" },
+        { authorization = "x1:y" },
+        { authorization = { "x", "y" } },
+        { authorization = { "x", "api-key", "y" } },
+        { authorization = { "x" }, ["api-key"] = { "y", "" } },
+        { ["api-key"] = "x", ["x-api-key"] = "y" },
+        { ["api-key"] = { "x", "y" } },
+        { ["x-api-key"] = { "x", "y" } },
+        { authorization = "" }, { ["api-key"] = "" }, { authorization = "", ["api-key"] = "" },
+    }
+    local seen = {}
+    for i, h in ipairs(combos) do
+        local d = cred(h)
+        H.truthy(not seen[d], "combination " .. i .. " collides with " .. tostring(seen[d]))
+        seen[d] = i
     end
 end)
 

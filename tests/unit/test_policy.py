@@ -41,7 +41,7 @@ def test_defaults_fill_in():
     assert pool.affinity == ["session", "user", "prefix"]
     assert pool.session_header == "X-Session-Id"
     assert p.cache.enabled and p.cache.namespace_version == 1
-    assert p.cache.credential_header == "Authorization"
+    assert p.cache.credential_headers == ["Authorization", "api-key", "x-api-key"]
     assert pool.nodes[0].weight == 1 and pool.nodes[0].address == "127.0.0.1:9001"
     passive = p.health.passive
     assert passive.enabled and (passive.max_5xx_ratio, passive.min_requests, passive.window_s) == (0.5, 20, 30.0)
@@ -59,7 +59,14 @@ def test_defaults_fill_in():
     (MINIMAL + "redis: {url: 'http://x:1'}\n", "redis.url", "redis://"),
     (MINIMAL + "redis: {url: 'redis://:secret@127.0.0.1:6390/0'}\n", "redis.url", "not supported yet"),
     (MINIMAL + "cache: {ttl_s: -1}\n", "cache.ttl_s", "greater than"),
-    (MINIMAL + "cache: {credential_header: 'Authorization: Bearer'}\n", "cache.credential_header", "header name"),
+    (MINIMAL + "cache: {credential_headers: ['Authorization: Bearer']}\n", "cache.credential_headers", "header name"),
+    (MINIMAL + "cache: {credential_headers: [api-key, '']}\n", "cache.credential_headers", "header name"),
+    (MINIMAL + "cache: {credential_headers: []}\n", "cache.credential_headers", "at least 1"),
+    (MINIMAL + "cache: {credential_headers: [X-Api-Key, Authorization, x-api-key]}\n", "cache.credential_headers",
+     "'x-api-key' is listed twice"),
+    (MINIMAL + "cache: {credential_headers: Authorization}\n", "cache.credential_headers", "list"),
+    # renamed (it named one header); unknown now, so an old policy is refused rather than left narrower
+    (MINIMAL + "cache: {credential_header: X-Api-Key}\n", "cache.credential_header", "unknown field"),
     (MINIMAL.replace("models: [m]", "models: [m]\n    affinty: [user]"), "pools[0].affinty", "unknown field"),
     (MINIMAL.replace("models: [m]", "models: [m]\n    affinity: [user, cookie]"), "pools[0].affinity[1]", "session"),
     (MINIMAL.replace("models: [m]", "models: [m]\n    session_header: 'X Bad'"), "pools[0].session_header", "header"),

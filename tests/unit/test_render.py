@@ -59,7 +59,8 @@ def test_demo_renders_both_files() -> None:
     assert data["nodes_by_addr"]["127.0.0.1:8101"] == "n1"
     assert data["pools"]["default"]["session_header"] == "X-Session-Id"
     assert data["cache"]["namespace_version"] == 1
-    assert data["cache"]["credential_header"] == "authorization"
+    # lowercase, in the policy's order: ngx.req.get_headers() keys are lowercase
+    assert data["cache"]["credential_headers"] == ["authorization", "api-key", "x-api-key"]
     assert data["redis"] == {"host": "127.0.0.1", "port": 6390, "db": 0, "timeout_ms": 200, "pool_size": 64}
 
 

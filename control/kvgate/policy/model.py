@@ -175,20 +175,28 @@ class CacheConfig(_Strict):
     namespace_version: int = Field(
         1, ge=1, description="Part of every cache key: bump it to invalidate the whole cache at once."
     )
-    credential_header: str = Field(
-        "Authorization",
-        description="Request header holding the caller's credential (every value when it is repeated). Its "
-        "sha256 is part of every cache key, so callers with different credentials, or with none, never share "
-        "an entry and a hit never skips the engine's own authentication (`vllm serve --api-key`). Name the "
-        "header the engine, or the proxy in front of the gateway, authenticates with (`X-Api-Key`, ...). The "
-        "credential itself is never stored or logged.",
+    credential_headers: list[str] = Field(
+        default_factory=lambda: ["Authorization", "api-key", "x-api-key"],
+        min_length=1, max_length=16,
+        description="Request headers that carry a caller's credential (names are case-insensitive; 1-16). "
+        "Every one of them that a request sends (its name and every value, in this order) is hashed into the "
+        "cache key, so callers with different credentials, or with none, never share an entry and a hit never "
+        "skips the engine's own authentication (`vllm serve --api-key`); a request with none of them shares "
+        "the anonymous scope. List every header the engine, or the proxy in front of the gateway, accepts a "
+        "credential in: one left out lets its callers' answers reach anonymous callers. The credential itself "
+        "is never stored or logged.",
     )
 
-    @field_validator("credential_header")
+    @field_validator("credential_headers")
     @classmethod
-    def _check_credential_header(cls, v: str) -> str:
-        if not _HEADER_RE.match(v):
-            raise ValueError(f"invalid header name {v!r}")
+    def _check_credential_headers(cls, v: list[str]) -> list[str]:
+        seen: set[str] = set()
+        for name in v:
+            if not _HEADER_RE.match(name):
+                raise ValueError(f"invalid header name {name!r}")
+            if name.lower() in seen:
+                raise ValueError(f"{name.lower()!r} is listed twice (header names are case-insensitive)")
+            seen.add(name.lower())
         return v
 
 
