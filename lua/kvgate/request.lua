@@ -1,6 +1,8 @@
--- Request body checks before anything is routed, cached or forwarded: UTF-8, JSON object,
--- model, and the prompt's shape (chat `messages`, completions `prompt`). PURE: a function of
--- the body only (in nginx the UTF-8 check of a non-ASCII body runs in PCRE2, elsewhere in Lua).
+-- Request body checks before anything is routed, cached or forwarded: UTF-8, JSON object
+-- (strict: no NaN/Infinity/hex numbers), model, `stream` / `stream_options` types, and the
+-- prompt's shape (chat `messages` and their text/image_url parts, completions `prompt`).
+-- PURE: a function of the body only (in nginx the UTF-8 check of a non-ASCII body runs in
+-- PCRE2, elsewhere in Lua).
 -- A body these checks refuse never reaches a node nor the response cache (issue 9 item 8).
 -- Errors are values: nil, message, param (OpenAI's field path, "messages[0].content"), code.
 -- Messages and codes follow OpenAI's (missing_required_parameter, invalid_type, empty_array,
@@ -19,7 +21,12 @@ local band = bit.band
 local bor = bit.bor
 local cast = ffi.cast
 local null = cjson.null
-local decode = cjson.decode
+
+-- a private instance: NaN, Infinity and hex numbers (cjson's default accepts them) are not
+-- JSON, and an engine would take them as sampling values; the shared cjson.safe is untouched
+local strict = cjson.new()
+strict.decode_invalid_numbers(false)
+local decode = strict.decode
 
 local _M = {}
 
@@ -151,6 +158,44 @@ local function content_param(i)
     return "messages[" .. (i - 1) .. "].content"
 end
 
+local function part_param(i, j, field)
+    return content_param(i) .. "[" .. (j - 1) .. "]." .. field
+end
+
+-- the two part types every engine reads: `text` needs a string; `image_url` an object with a
+-- string `url` (OpenAI) or a URL string (vLLM's own form). Other types are the engine's.
+local function check_part(part, i, j)
+    local ptype = part.type
+    if ptype == "text" then
+        local text = part.text
+        if type(text) ~= "string" then
+            if text == nil or text == null then
+                return missing(part_param(i, j, "text"))
+            end
+            return bad_type(part_param(i, j, "text"), "a string", text)
+        end
+    elseif ptype == "image_url" then
+        local img = part.image_url
+        local t = type(img)
+        if t ~= "string" then
+            if img == nil or img == null then
+                return missing(part_param(i, j, "image_url"))
+            end
+            if t ~= "table" or img[1] ~= nil then
+                return bad_type(part_param(i, j, "image_url"), "an object", img)
+            end
+            local url = img.url
+            if type(url) ~= "string" then
+                if url == nil or url == null then
+                    return missing(part_param(i, j, "image_url.url"))
+                end
+                return bad_type(part_param(i, j, "image_url.url"), "a string", url)
+            end
+        end
+    end
+    return true
+end
+
 local function check_content(msg, role, i)
     local content = msg.content
     if content == nil or content == null then
@@ -186,8 +231,14 @@ local function check_content(msg, role, i)
         local pt = type(part)
         -- a part is an object ({"type": "text", ...}; vLLM also takes {"image_url": ...}) or,
         -- for vLLM, a plain string
-        if pt ~= "string" and not (pt == "table" and part[1] == nil and next(part) ~= nil) then
-            return bad_type(content_param(i) .. "[" .. (j - 1) .. "]", "an object", part)
+        if pt ~= "string" then
+            if not (pt == "table" and part[1] == nil and next(part) ~= nil) then
+                return bad_type(content_param(i) .. "[" .. (j - 1) .. "]", "an object", part)
+            end
+            local ok, err, param, code = check_part(part, i, j)
+            if not ok then
+                return nil, err, param, code
+            end
         end
     end
     return true
@@ -309,7 +360,25 @@ end
 function _M.validate(req, endpoint)
     local model = req.model
     if type(model) ~= "string" or model == "" then
-        return nil, "You must provide a model parameter", "model", "missing_model"
+        if model == nil or model == null or model == "" then
+            return nil, "You must provide a model parameter", "model", "missing_model"
+        end
+        return bad_type("model", "a string", model)
+    end
+    -- the gateway reads these (a cache hit is replayed as SSE only for `stream == true`)
+    local stream = req.stream
+    if stream ~= nil and stream ~= null and type(stream) ~= "boolean" then
+        return bad_type("stream", "a boolean", stream)
+    end
+    local so = req.stream_options
+    if so ~= nil and so ~= null then
+        if type(so) ~= "table" or so[1] ~= nil then
+            return bad_type("stream_options", "an object", so)
+        end
+        local iu = so.include_usage
+        if iu ~= nil and iu ~= null and type(iu) ~= "boolean" then
+            return bad_type("stream_options.include_usage", "a boolean", iu)
+        end
     end
     if endpoint == "chat" then
         return check_messages(req)

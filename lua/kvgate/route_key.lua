@@ -12,6 +12,7 @@ local find = string.find
 local match = string.match
 local lower = string.lower
 local byte = string.byte
+local sub = string.sub
 local ipairs = ipairs
 local pairs = pairs
 
@@ -20,28 +21,33 @@ local _M = {}
 _M.MAX_SESSION_BYTES = 256
 
 -- What clients send when they have no id: str(None) "None", String(undefined)
--- "undefined", String(null) / JSON "null", Ruby/Lua "nil", Go's "<nil>", String(NaN).
+-- "undefined", String(null) / JSON "null", Ruby/Lua "nil", Go's "<nil>", String(NaN),
+-- glibc printf("%s", NULL) "(null)", C++ "nullptr", String({}) "[object Object]", and a
+-- JSON-encoded null/undefined sent as a string ("\"null\"").
 -- Taken as ids they give every request one key, so one node (issue 9).
--- value (lowercased, trimmed) -> the metric's `value` label (bounded)
+-- value (lowercased, trimmed) -> the metric's `value` label (bounded: a fixed word each)
 local SENTINELS = {
     ["null"] = "null", ["undefined"] = "undefined", ["none"] = "none",
     ["nil"] = "nil", ["<nil>"] = "nil", ["nan"] = "nan",
+    ["(null)"] = "null", ["nullptr"] = "null", ['"null"'] = "null", ['"undefined"'] = "undefined",
+    ["[object object]"] = "object",
 }
 -- no sentinel word is longer; a longer value is a sentinel only if it is all blanks
 local SENTINEL_MAX_BYTES = 16
--- first bytes a sentinel can start with: n N u U < and the blanks of %s (BLANK)
+-- first bytes a sentinel can start with (n N u U < ( " [ ...) and the blanks of %s (BLANK)
 local BLANK = "blank"
-local SENTINEL_FIRST = { [byte("n")] = true, [byte("N")] = true, [byte("u")] = true, [byte("U")] = true,
-    [byte("<")] = true }
+local SENTINEL_FIRST = {}
+local SENTINEL_LEN = {}
+for w in pairs(SENTINELS) do
+    SENTINEL_FIRST[byte(w)] = true
+    SENTINEL_FIRST[byte(string.upper(w))] = true
+    SENTINEL_LEN[#w] = true
+end
 for _, c in ipairs({ " ", "\t", "\n", "\v", "\f", "\r" }) do
     SENTINEL_FIRST[byte(c)] = BLANK
 end
-local SENTINEL_LEN = {}
-for w in pairs(SENTINELS) do
-    SENTINEL_LEN[#w] = true
-end
 
---- sentinel(v) -> label ("null", "undefined", "none", "nil", "nan", "empty") when the
+--- sentinel(v) -> label ("null", "undefined", "none", "nil", "nan", "object", "empty") when the
 -- string v is a placeholder for "no id" (case-insensitive, blanks around ignored;
 -- "" and whitespace-only are "empty"), else nil
 function _M.sentinel(v)
@@ -71,7 +77,32 @@ function _M.sentinel(v)
     return SENTINELS[lower(t)]
 end
 
---- check_session(v) -> true | false, reason
+--- trim_ows(v) -> v without leading/trailing spaces and tabs (RFC 9110 optional whitespace
+-- around a field value; nginx strips the spaces but not the tabs). Reads two bytes of most
+-- values; linear in the blanks otherwise.
+function _M.trim_ows(v)
+    local n = #v
+    local i, j = 1, n
+    local c = byte(v, 1)
+    while c == 32 or c == 9 do
+        i = i + 1
+        c = byte(v, i)
+    end
+    if i > n then
+        return ""
+    end
+    c = byte(v, j)
+    while c == 32 or c == 9 do
+        j = j - 1
+        c = byte(v, j)
+    end
+    if i == 1 and j == n then
+        return v
+    end
+    return sub(v, i, j)
+end
+
+--- check_session(v) -> true | false, reason (v already trimmed by trim_ows)
 function _M.check_session(v)
     if #v > _M.MAX_SESSION_BYTES then
         return false, "longer than " .. _M.MAX_SESSION_BYTES .. " bytes"
@@ -137,7 +168,7 @@ function _M.compute(req, endpoint, headers, pool, fallback, kind_only)
                 -- repeated header: the first value routes, but every value is forwarded,
                 -- so each must be valid
                 for j = 2, #v do
-                    local ok, why = _M.check_session(v[j])
+                    local ok, why = _M.check_session(_M.trim_ows(v[j]))
                     if not ok then
                         return nil, nil, pool.session_header .. " header " .. why
                     end
@@ -145,6 +176,7 @@ function _M.compute(req, endpoint, headers, pool, fallback, kind_only)
                 v = v[1]
             end
             if type(v) == "string" then
+                v = _M.trim_ows(v)
                 local ok, why = _M.check_session(v)
                 if not ok then
                     return nil, nil, pool.session_header .. " header " .. why

@@ -87,6 +87,18 @@ BAD = {
                           "missing_required_parameter"),
     "content-part-number": (CHAT, _chat('[{"role": "user", "content": [{"type": "text", "text": "a"}, 1]}]'),
                             "messages[0].content[1]", "invalid_type"),
+    "text-part-number": (CHAT, _chat('[{"role": "user", "content": [{"type": "text", "text": 5}]}]'),
+                         "messages[0].content[0].text", "invalid_type"),
+    "text-part-no-text": (CHAT, _chat('[{"role": "user", "content": [{"type": "text"}]}]'),
+                          "messages[0].content[0].text", "missing_required_parameter"),
+    "image-part-number": (CHAT, _chat('[{"role": "user", "content": [{"type": "image_url", "image_url": 1}]}]'),
+                          "messages[0].content[0].image_url", "invalid_type"),
+    "stream-string": (CHAT, _chat('[{"role": "user", "content": "hi"}]', ', "stream": "yes"'), "stream",
+                      "invalid_type"),
+    "stream-options-not-object": (COMPLETIONS, '{"model": "%s", "stream": true, "stream_options": true, '
+                                  '"prompt": "a"}' % MODEL, "stream_options", "invalid_type"),
+    "model-number": (CHAT, '{"model": 5, "messages": [{"role": "user", "content": "hi"}]}', "model",
+                     "invalid_type"),
     "prompt-missing": (COMPLETIONS, '{"model": "%s", "temperature": 0}' % MODEL, "prompt",
                        "missing_required_parameter"),
     "prompt-number": (COMPLETIONS, _completion("5"), "prompt", "invalid_type"),
@@ -111,7 +123,25 @@ def test_a_bad_body_is_a_400_the_engine_never_sees(clean: Gateway, case: str) ->
     assert err["code"] == code
     assert param in err["message"]
     assert _mock(clean).completions() == []
-    assert clean.metric_sum("kvgate_bad_requests_total", status="400") == bad_before + 1
+    # counted in the log phase, which may run just after the client has the answer
+    deadline = time.monotonic() + 5
+    while (n := clean.metric_sum("kvgate_bad_requests_total", status="400")) < bad_before + 1:
+        assert time.monotonic() < deadline, "the refusal was never counted"
+        time.sleep(0.02)
+    assert n == bad_before + 1
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_a_400(clean: Gateway, number: str) -> None:
+    """Not JSON (cjson accepts them by default); an engine would take them as the temperature."""
+    r = _post(clean, CHAT, _chat('[{"role": "user", "content": "hi"}]', ', "top_p": %s' % number)
+              .replace('"temperature": 0', '"temperature": %s' % number))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json", err
+    assert _mock(clean).completions() == []
+    r = _post(clean, CHAT, _chat('[{"role": "user", "content": "hi"}]'))
+    assert r.status_code == 200, r.text
 
 
 def test_a_bad_body_is_never_cached(clean: Gateway) -> None:
@@ -133,6 +163,8 @@ def test_good_bodies_still_pass(clean: Gateway) -> None:
                      '[{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, '
                      '{"role": "tool", "tool_call_id": "c1", "content": "42"}]')),
         (CHAT, _chat('[{"role": "user", "content": [{"type": "text", "text": "a"}]}]')),
+        (CHAT, _chat('[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", '
+                     '"image_url": {"url": "data:,"}}]}]', ', "stream": false, "stream_options": null')),
         (COMPLETIONS, _completion('"Once upon a time"')),
         (COMPLETIONS, _completion('["a", "b"]')),
         (COMPLETIONS, _completion("[1, 2, 3]")),

@@ -5,6 +5,8 @@ placeholder session ids (``null``, ``undefined``, ...) and the shared-prefix hot
 from __future__ import annotations
 
 import collections
+import http.client
+import json
 
 import requests
 
@@ -67,6 +69,65 @@ def test_placeholder_user_field_routes_like_no_user(start_mocks, start_gateway) 
     assert len(nodes) == 3, nodes
     assert gw.metric_sum("kvgate_route_key_sentinel_total", pool="default", source="user") == 100
     assert gw.metric_sum("kvgate_route_key_sentinel_total", source="session") == 0
+
+
+def _raw_post(gw: Gateway, session: str) -> tuple[int, dict, dict]:
+    """POST a chat body with ``X-Session-Id: <session>`` sent byte for byte (requests refuses
+    a value with leading whitespace) → (status, headers, body)."""
+    host, port = gw.listen.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        body = json.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(body)))
+        conn.putheader("X-Session-Id", session)
+        conn.endheaders(body.encode())
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_session_id_tabs_around_the_value_are_trimmed(start_mocks, start_gateway) -> None:
+    # RFC 9110 optional whitespace is spaces and tabs; nginx strips only the spaces
+    gw = start_gateway(start_mocks(3, prefix="t"), None)
+    nodes = set()
+    for i in range(30):
+        status, h, _ = _raw_post(gw, f"sess-{i}")
+        assert status == 200
+        for v in (f"\tsess-{i}", f"sess-{i}\t", f"\t sess-{i} \t"):
+            status, h2, body = _raw_post(gw, v)
+            assert status == 200, (repr(v), body)
+            assert h2["x-kvgate-route-key-kind"] == "session"
+            assert h2["x-kvgate-node"] == h["x-kvgate-node"], repr(v)
+        nodes.add(h["x-kvgate-node"])
+    assert len(nodes) > 1, nodes
+    status, _, body = _raw_post(gw, "sess\t1")
+    assert status == 400 and body["error"]["code"] == "invalid_session_id", body
+    assert "control characters" in body["error"]["message"]
+    status, _, body = _raw_post(gw, "\t\t")
+    assert status == 200
+    assert gw.metric_sum("kvgate_route_key_sentinel_total", source="session", value="empty") == 1
+
+
+def test_more_placeholder_session_ids_route_like_no_session(start_mocks, start_gateway) -> None:
+    gw = start_gateway(start_mocks(3, prefix="p"), None)
+    s = requests.Session()
+    values = {"(null)": "null", "nullptr": "null", "[object Object]": "object", '"null"': "null",
+              '"undefined"': "undefined"}
+    for i in range(40):
+        body = {"messages": [{"role": "user", "content": f"question {i}: what is {i} times {i + 3}?"}],
+                "max_tokens": 1}
+        expected = _post(s, gw, "/v1/chat/completions", body).headers["X-Kvgate-Node"]
+        v = list(values)[i % len(values)]
+        r = _post(s, gw, "/v1/chat/completions", body, headers={"X-Session-Id": v})
+        assert r.headers["X-Kvgate-Route-Key-Kind"] == "prefix", v
+        assert r.headers["X-Kvgate-Node"] == expected, v
+    assert gw.metric_sum("kvgate_route_key_sentinel_total", source="session") == 40
+    assert gw.metric_sum("kvgate_route_key_sentinel_total", source="session", value="null") == 24
+    assert gw.metric_sum("kvgate_route_key_sentinel_total", source="session", value="object") == 8
+    assert gw.metric_sum("kvgate_route_key_sentinel_total", source="session", value="undefined") == 8
 
 
 WINDOW = 256  # pool prefix_chars in the hot-prefix tests

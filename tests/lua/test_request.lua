@@ -127,10 +127,76 @@ H.test("completions: the four OpenAI prompt shapes pass, and prompt_embeds", fun
     accepted('{"model": "m", "prompt_embeds": "AAAA"}', "completions")
 end)
 
+H.test("chat: text parts need a string text; image_url parts an object with a url or a URL", function()
+    local function part(p)
+        return chat('[{"role": "user", "content": [' .. p .. ']}]')
+    end
+    local msg = refused(part('{"type": "text", "text": 5}'), "chat", "messages[0].content[0].text", "invalid_type")
+    H.eq(msg, "Invalid type for 'messages[0].content[0].text': expected a string, but got an integer instead.")
+    refused(part('{"type": "text"}'), "chat", "messages[0].content[0].text", "missing_required_parameter")
+    refused(part('{"type": "text", "text": null}'), "chat", "messages[0].content[0].text",
+        "missing_required_parameter")
+    refused(part('{"type": "text", "text": ["a"]}'), "chat", "messages[0].content[0].text", "invalid_type")
+    refused(chat('[{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", ' ..
+        '"text": "a"}, {"type": "text", "text": {"t": "b"}}]}]'), "chat", "messages[1].content[1].text",
+        "invalid_type")
+    refused(part('{"type": "image_url"}'), "chat", "messages[0].content[0].image_url", "missing_required_parameter")
+    refused(part('{"type": "image_url", "image_url": 7}'), "chat", "messages[0].content[0].image_url",
+        "invalid_type")
+    refused(part('{"type": "image_url", "image_url": {"detail": "low"}}'), "chat",
+        "messages[0].content[0].image_url.url", "missing_required_parameter")
+    refused(part('{"type": "image_url", "image_url": {"url": 1}}'), "chat", "messages[0].content[0].image_url.url",
+        "invalid_type")
+    accepted(part('{"type": "text", "text": ""}'), "chat")
+    accepted(part('{"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "low"}}'), "chat")
+    accepted(part('{"type": "image_url", "image_url": "https://x/y.png"}'), "chat")
+    -- other part types are the engine's business
+    accepted(part('{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}'), "chat")
+    accepted(part('{"type": "video_url", "video_url": {"url": "https://x/v.mp4"}}'), "chat")
+    accepted(part('{"type": "refusal", "refusal": "no"}'), "chat")
+end)
+
+H.test("stream is a boolean, stream_options an object", function()
+    local function with(extra)
+        return '{"model": "m", ' .. extra .. ', "prompt": "a"}'
+    end
+    local msg = refused(with('"stream": "yes"'), "completions", "stream", "invalid_type")
+    H.eq(msg, "Invalid type for 'stream': expected a boolean, but got a string instead.")
+    refused(with('"stream": 1'), "completions", "stream", "invalid_type")
+    refused(with('"stream": "true"'), "chat", "stream", "invalid_type")
+    refused(with('"stream": true, "stream_options": true'), "completions", "stream_options", "invalid_type")
+    refused(with('"stream": true, "stream_options": "include_usage"'), "completions", "stream_options",
+        "invalid_type")
+    refused(with('"stream": true, "stream_options": [1]'), "completions", "stream_options", "invalid_type")
+    refused(with('"stream": true, "stream_options": {"include_usage": "yes"}'), "completions",
+        "stream_options.include_usage", "invalid_type")
+    refused(chat('[{"role": "user", "content": "hi"}], "stream": "no"'), "chat", "stream", "invalid_type")
+    accepted(with('"stream": true'), "completions")
+    accepted(with('"stream": false'), "completions")
+    accepted(with('"stream": null, "stream_options": null'), "completions")
+    accepted(with('"stream": true, "stream_options": {"include_usage": true}'), "completions")
+    accepted(with('"stream": true, "stream_options": {}'), "completions")
+    accepted(with('"stream": true, "stream_options": {"continuous_usage_stats": true}'), "completions")
+end)
+
+H.test("NaN and Infinity are not JSON", function()
+    for _, v in ipairs({ "NaN", "nan", "Infinity", "-Infinity", "inf", "-inf", "0x10" }) do
+        refused('{"model": "m", "temperature": ' .. v .. ', "prompt": "a"}', "completions", nil, "invalid_json")
+        refused(chat('[{"role": "user", "content": "hi"}], "top_p": ' .. v), "chat", nil, "invalid_json")
+    end
+    accepted('{"model": "m", "temperature": 0.7, "top_p": 1e-3, "seed": -1, "prompt": "a"}', "completions")
+    -- the instance is request.lua's own: the shared cjson.safe keeps its defaults
+    H.truthy(cjson.decode('{"a": NaN}'), "shared cjson instance changed")
+end)
+
 H.test("model and JSON checks are kept", function()
     refused('{"messages": []}', "chat", "model", "missing_model")
     refused('{"model": "", "prompt": "a"}', "completions", "model", "missing_model")
-    refused('{"model": 5, "prompt": "a"}', "completions", "model", "missing_model")
+    refused('{"model": null, "prompt": "a"}', "completions", "model", "missing_model")
+    local msg = refused('{"model": 5, "prompt": "a"}', "completions", "model", "invalid_type")
+    H.eq(msg, "Invalid type for 'model': expected a string, but got an integer instead.")
+    refused('{"model": ["m"], "messages": [{"role": "user", "content": "hi"}]}', "chat", "model", "invalid_type")
+    refused('{"model": true, "prompt": "a"}', "completions", "model", "invalid_type")
     refused('{"model": "m", "messages": [', "chat", nil, "invalid_json")
     refused('["model"]', "chat", nil, "invalid_json")
     refused('"text"', "chat", nil, "invalid_json")

@@ -162,7 +162,7 @@ H.test("placeholder session ids and users are absent, and reported", function()
         string.rep("a", 256), "  x  " }) do
         H.eq(route_key.sentinel(v), nil, v)
         local k, kind = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = v }), POOL, FALLBACK)
-        H.eq(kind, "session", v); H.eq(k, "s:" .. v)
+        H.eq(kind, "session", v); H.eq(k, "s:" .. route_key.trim_ows(v))
     end
     -- a repeated header: the first value decides; the others are still validated
     local k, kind, err, _, s_sent = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = { "null", "s2" } }),
@@ -184,6 +184,53 @@ H.test("placeholder session ids and users are absent, and reported", function()
     -- a real id reports nothing
     local _, _, _, _, s5, u5 = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = "s1" }), POOL, FALLBACK)
     H.eq(s5, nil); H.eq(u5, nil)
+end)
+
+H.test("a session id's leading/trailing spaces and tabs (RFC 9110 OWS) are trimmed; inner ones stay", function()
+    for _, v in ipairs({ "\ts1", "s1\t", "\t s1 \t", " s1", "s1 ", "\t\ts1" }) do
+        local k, kind, err = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = v }), POOL, FALLBACK)
+        H.eq(err, nil, string.format("%q", v)); H.eq(kind, "session"); H.eq(k, "s:s1", string.format("%q", v))
+    end
+    local k, kind, err = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = "s\t1" }), POOL, FALLBACK)
+    H.eq(k, nil); H.truthy(err and err:find("control characters", 1, true))
+    k, kind, err = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = "\ts\0011\t" }), POOL, FALLBACK)
+    H.eq(k, nil); H.truthy(err)
+    k, kind, err = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = "\ns1" }), POOL, FALLBACK)
+    H.eq(k, nil); H.truthy(err)
+    -- blanks only, or a placeholder inside blanks: absent
+    local s_sent
+    k, kind, err, _, s_sent = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = "\t" }), POOL, FALLBACK)
+    H.eq(err, nil); H.eq(kind, "prefix"); H.eq(s_sent, "empty")
+    k, kind, err, _, s_sent = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = "\tnull\t" }), POOL,
+        FALLBACK)
+    H.eq(err, nil); H.eq(kind, "prefix"); H.eq(s_sent, "null")
+    -- every value of a repeated header the same
+    k, kind, err = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = { "s1\t", "\ts2" } }), POOL,
+        FALLBACK)
+    H.eq(err, nil); H.eq(k, "s:s1")
+    -- the length limit is on the value itself
+    k = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = "\t" .. string.rep("a", 256) .. "\t" }),
+        POOL, FALLBACK)
+    H.eq(k, "s:" .. string.rep("a", 256))
+    H.eq(route_key.trim_ows("\t \t"), ""); H.eq(route_key.trim_ows(""), ""); H.eq(route_key.trim_ows("a b"), "a b")
+end)
+
+H.test("more placeholders: (null), nullptr, [object Object], JSON-quoted null/undefined", function()
+    local want = { ["(null)"] = "null", ["(NULL)"] = "null", ["nullptr"] = "null", ["[object Object]"] = "object",
+        ["[OBJECT OBJECT]"] = "object", ['"null"'] = "null", ['"undefined"'] = "undefined", [' "null" '] = "null" }
+    for v, label in pairs(want) do
+        H.eq(route_key.sentinel(v), label, v)
+        local k, kind, err, _, s_sent = route_key.compute(chat(1), "chat", headers({ ["X-Session-Id"] = v }), POOL,
+            FALLBACK)
+        H.eq(err, nil, v); H.eq(kind, "prefix", v); H.eq(s_sent, label, v)
+        local req = chat(1); req.user = v
+        local _, ukind, _, _, _, u_sent = route_key.compute(req, "chat", headers({}), POOL, FALLBACK)
+        H.eq(ukind, "prefix", v); H.eq(u_sent, label, v)
+    end
+    for _, v in ipairs({ "null)", "(null", '"null', "null\"", '"s1"', "[object]", "[object Map]", "nullptr1",
+        "[object object]x" }) do
+        H.eq(route_key.sentinel(v), nil, v)
+    end
 end)
 
 H.test("canonical() with a limit gives the same window and offsets as without", function()
