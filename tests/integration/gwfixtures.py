@@ -237,6 +237,19 @@ class Gateway:
                 total += value
         return total
 
+    def wait_metric(self, name: str, expected: float, timeout: float = 5.0, **labels: str) -> float:
+        """``metric_sum(name, **labels)`` once it reaches ``expected`` (asserted equal).
+
+        Counters of the log phase are written after the client has its response, possibly
+        by another worker than the one answering ``/metrics``: read right away, the last
+        request may not be counted yet. Raises AssertionError with the last value after
+        ``timeout`` seconds or when the value passes ``expected``."""
+        deadline = time.monotonic() + timeout
+        while (value := self.metric_sum(name, **labels)) < expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert value == expected, f"{name}{labels} = {value}, expected {expected}"
+        return value
+
     def stop(self) -> None:
         self.nginx.stop(timeout=5)
 

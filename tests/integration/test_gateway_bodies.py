@@ -369,7 +369,7 @@ def test_a_stalled_body_is_a_408_at_the_idle_timeout(slow_gw: Gateway) -> None:
         assert "stopped arriving" in err["message"]
         assert c.closed(3)
     assert _mock(slow_gw).completions() == []
-    assert slow_gw.metric_sum("kvgate_bad_requests_total", status="408") == 1
+    slow_gw.wait_metric("kvgate_bad_requests_total", 1, status="408")
 
 
 def test_a_trickling_body_is_a_408_at_the_deadline(slow_gw: Gateway) -> None:

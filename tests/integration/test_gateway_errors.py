@@ -47,7 +47,7 @@ def test_bad_input_is_rejected_at_the_gateway(fleet_clean: Gateway, case: str) -
         assert err["param"] == "model"
     after = sims_total(fleet_clean.sims, SUCCESS), sims_total(fleet_clean.sims, "vllm:prompt_tokens_total")
     assert after == before
-    assert fleet_clean.metric_sum("kvgate_bad_requests_total", status=str(status)) == bad_before + 1
+    fleet_clean.wait_metric("kvgate_bad_requests_total", bad_before + 1, status=str(status))
 
 
 def test_oversized_chunked_body_is_413(fleet_clean: Gateway) -> None:
@@ -87,7 +87,7 @@ def test_metrics_parse_and_count(fleet_clean: Gateway) -> None:
                  "kvgate_cache_errors", "kvgate_bad_requests", "kvgate_route_key_fallback"):
         assert name in families, sorted(families)
     assert families["kvgate_upstream_response_seconds"].type == "histogram"
-    assert fleet_clean.metric_sum("kvgate_requests_total", status="200", route_key_kind="session") == before + 3
+    fleet_clean.wait_metric("kvgate_requests_total", before + 3, status="200", route_key_kind="session")
     nodes = {s.labels["node"] for s in families["kvgate_requests"].samples}
     assert nodes <= {s.node_id for s in fleet_clean.sims} | {"cache", "none"}
     count = fleet_clean.metric_sum("kvgate_upstream_response_seconds_count")
@@ -111,8 +111,8 @@ def test_fallback_route_key_is_counted(start_sims, start_gateway) -> None:
     gw = start_gateway(start_sims(2, prefix="b"), None, pool={"affinity": ["session"]})
     r = gw.chat("no session header", max_tokens=1)
     assert r.status_code == 200 and r.headers["X-Kvgate-Route-Key-Kind"] == "fallback"
-    assert gw.metric_sum("kvgate_route_key_fallback_total", pool="default") == 1
-    assert gw.metric_sum("kvgate_requests_total", route_key_kind="fallback") == 1
+    gw.wait_metric("kvgate_route_key_fallback_total", 1, pool="default")
+    gw.wait_metric("kvgate_requests_total", 1, route_key_kind="fallback")
 
 
 def test_header_and_uri_overflows_answer_in_openai_format(fleet_clean: Gateway) -> None:

@@ -154,7 +154,7 @@ def test_completions_hot_shared_prefix_is_flagged(start_mocks, start_gateway) ->
     for i in range(8):
         _post(s, gw, "/v1/chat/completions",
               {"messages": [system, {"role": "user", "content": f"ticket {i}"}], "max_tokens": 1})
-    assert gw.metric_sum("kvgate_route_key_shared_prefix_total", endpoint="chat") == 8
+    gw.wait_metric("kvgate_route_key_shared_prefix_total", 8, endpoint="chat")
     assert "prefix route keys cover only the system prompt" in _error_log(gw)
 
 
