@@ -2,7 +2,8 @@
 oracle of the gateway's ring (``lua/kvgate/balancer/ring.lua``).
 
 A ``chash`` pool's upstream has a ``balancer_by_lua_block`` (``nginx/upstreams.conf.j2``)
-whose ring ``kvgate.balancer.chash`` builds per worker from ``kvgate.json``. This module
+whose ring ``kvgate.balancer.chash`` builds from ``kvgate.json`` in ``init_by_lua`` (the
+master; workers inherit it by fork). This module
 builds the same ring, so the control plane can tell which node is a route key's *home*
 (where its KV cache lives) without asking nginx; ``tests/data/ring_vectors.json`` holds
 golden vectors both sides are checked against, and ``tests/integration/test_ring_nginx.py``

@@ -47,6 +47,16 @@ function _M.load(path)
             end
         end
     end
+    -- fields the request phases read without a guard: a kvgate.json rendered by an older
+    -- kvgate (an old control plane still running beside new Lua files) fails the start or
+    -- the reload here, and the running config keeps serving, instead of a Lua error per request
+    local sd = cfg.shutdown
+    if type(sd) ~= "table" or type(sd.grace_s) ~= "number" or type(sd.cut_streams_after_s) ~= "number" then
+        return nil, path .. ": no shutdown.grace_s / shutdown.cut_streams_after_s (rendered by an older kvgate?)"
+    end
+    if type(cfg.cache) ~= "table" or type(cfg.cache.credential_headers) ~= "table" then
+        return nil, path .. ": no cache.credential_headers (rendered by an older kvgate?)"
+    end
     current = cfg
     return cfg
 end

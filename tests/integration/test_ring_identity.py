@@ -175,3 +175,18 @@ http {{
     finally:
         subprocess.run(["nginx", "-p", str(prefix), "-c", "conf/nginx.conf", "-s", "stop"], check=False)
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_a_pool_with_one_serving_node_passes_its_own_503_on(start_mocks, start_gateway) -> None:
+    # as with nginx's native hash: no node to fail over to, so no retry; the engine's answer
+    # (say, vLLM refusing while overloaded) reaches the client, and the node is not marked failed
+    [mock] = start_mocks(1, prefix="one")
+    gw = start_gateway([mock], None, cache={"enabled": False})
+    mock.set(status=503)
+    r = gw.chat("busy?", headers={"X-Session-Id": "s1"})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["message"] == "mock one1 answers 503", r.text  # the engine's body, not the gateway's
+    assert len(mock.completions()) == 1  # tried once
+    mock.set(status=200)
+    r = gw.chat("fine now", headers={"X-Session-Id": "s1"})
+    assert r.status_code == 200, r.text

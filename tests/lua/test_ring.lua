@@ -102,6 +102,18 @@ H.test("find calls skip once per node and stops when all are skipped", function(
     -- nothing skipped: the home, without a call
     local node, home = ring.find(r, 12345)
     H.eq(node, home)
+    -- one node, skipped: nil at once, without walking its 1.6M points (reads of the
+    -- ring's owners are counted through a proxy)
+    local one = assert(ring.new({ { id = "solo", weight = 10000 } }))
+    local owners, reads = one.owners, 0
+    one.owners = setmetatable({}, { __index = function(_, i)
+        reads = reads + 1
+        return owners[i]
+    end })
+    node, home = ring.find(one, ring.crc32("k"), function() return true end)
+    H.eq(node, nil)
+    H.eq(home.id, "solo")
+    H.eq(reads, 1)
 end)
 
 H.test("bad node lists are errors, not exceptions", function()

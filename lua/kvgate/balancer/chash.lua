@@ -6,9 +6,13 @@
 -- did, and this keeps:
 --   * weights: 160 × weight points per node (weight= units, kvgate.render.WEIGHT_SCALE);
 --   * down (weight 0): the node keeps its place and is skipped, so only its keys move;
---   * failover once, before any byte reached the client: the first try calls
---     set_more_tries(1), the retry (proxy_next_upstream, capped by
---     proxy_next_upstream_tries 2) goes to the key's next node not yet tried;
+--   * failover once, before any byte reached the client: the retry (proxy_next_upstream,
+--     capped by proxy_next_upstream_tries 2) goes to the key's next node not yet tried.
+--     nginx gives the request as many tries as the upstream has servers not `down`
+--     (ngx_http_lua_balancer_init_peer runs the round-robin init), so a pool with one
+--     serving node gets no retry and its node's own 502/503 reaches the client, as with
+--     the native hash; asking for more (set_more_tries) would turn it into "no live
+--     upstreams";
 --   * passive failures: balancer_by_lua has no max_fails, so a try that failed (error,
 --     timeout, 502, 503: get_last_failure() = "failed") marks its node in the shared dict
 --     kvgate_state for FAIL_TIMEOUT_S; marked nodes are skipped by every worker (nginx
@@ -28,7 +32,6 @@ local var = ngx.var
 local shared = ngx.shared
 local crc32_long = ngx.crc32_long
 local set_current_peer = ngx_balancer.set_current_peer
-local set_more_tries = ngx_balancer.set_more_tries
 local get_last_failure = ngx_balancer.get_last_failure
 local ipairs = ipairs
 local type = type
@@ -68,6 +71,11 @@ function _M.parse_peer(addr)
     if not host or not port or port < 1 or port > 65535 then
         return nil, "expected IP:PORT or unix:PATH, got " .. addr
     end
+    -- set_current_peer resolves no names: a host name here would fail every request to the
+    -- node at run time, so it fails the config load instead (kvgate.render resolves hosts)
+    if not match(host, "^%d+%.%d+%.%d+%.%d+$") and not match(host, "^%[[%x:.]+%]$") then
+        return nil, "expected an IP address (the host resolved by kvgate.render), got " .. addr
+    end
     return host, port
 end
 
@@ -101,7 +109,7 @@ function _M.new(pool)
     if not r then
         return nil, err
     end
-    return { pool = pool.name, ring = r, nodes = nodes, retries = #nodes > 1 and 1 or 0 }
+    return { pool = pool.name, ring = r, nodes = nodes }
 end
 
 -- skip(node, tried): down, tried by this request, or failed recently
@@ -201,9 +209,6 @@ function _M.balance(b)
         end
         st = { point = (key and key ~= "") and crc32_long(key) or nil }
         ctx.balancer = st
-        if b.retries > 0 then
-            set_more_tries(b.retries)
-        end
     else
         -- a retry: the last try failed (error, timeout, 502/503) or was passed on (403/404)
         local prev = st.node

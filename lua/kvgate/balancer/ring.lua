@@ -240,8 +240,12 @@ function _M.find(ring, point, skip, arg)
     if not skip or not skip(home, arg) then
         return home, home
     end
-    local checked = { [o] = true }
     local left = ring.count - 1
+    if left == 0 then
+        -- one node, skipped: no walk over its points (160 × weight of them)
+        return nil, home
+    end
+    local checked = { [o] = true }
     local n = ring.n
     for _ = 2, n do
         i = i + 1
