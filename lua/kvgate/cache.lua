@@ -66,7 +66,8 @@ function _M.lookup(cfg, ctx, req, endpoint, headers)
     -- Entries are scoped to the caller's credential (one sha256 of every credential header
     -- sent), so a hit never answers a caller the engine would have refused, and
     -- X-Kvgate-Cache tells a caller only about its own requests. The values go no further.
-    local cred, kerr = cache_key.credential(headers, ccfg.credential_headers or DEFAULT_CREDENTIAL_HEADERS)
+    local cred, kerr = cache_key.credential(headers, ccfg.credential_headers or DEFAULT_CREDENTIAL_HEADERS,
+        ngx.var.args)
     local key
     if cred then
         key, kerr = cache_key.key(req, endpoint, cfg.tenant, ccfg.namespace_version, cred)

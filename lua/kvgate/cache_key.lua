@@ -43,7 +43,7 @@ end
 -- cred of a request that sends none of the credential headers (the anonymous scope)
 _M.NO_CREDENTIAL = "none"
 
---- credential(headers, names) -> digest | nil, err
+--- credential(headers, names[, args]) -> digest | nil, err
 -- headers: ngx.req.get_headers() (lowercase names; a value is a string, or a list of
 -- strings when the header is repeated). names: the lowercase credential header names, in
 -- the policy's order (cfg.cache.credential_headers). Returns NO_CREDENTIAL when none of
@@ -51,7 +51,10 @@ _M.NO_CREDENTIAL = "none"
 -- values and each value length-prefixed (all values count, in order, since the engine may
 -- read any of them). Names hold no newline (policy-validated header names), so the input
 -- parses back one way only: no two combinations of headers and values collide.
-function _M.credential(headers, names)
+-- args: the request's query string ($args), which nginx forwards to the engine: an engine or
+-- proxy may authenticate by it (`?api_key=`), so a non-empty one is part of the scope too
+-- (as `?` + length-prefixed text: `?` is no header name, so it cannot pass for one).
+function _M.credential(headers, names, args)
     local input
     for i = 1, #names do
         local name = names[i]
@@ -71,6 +74,10 @@ function _M.credential(headers, names)
             -- no table for the common case of one or two headers sent once
             input = input and input .. part or part
         end
+    end
+    if args and args ~= "" then
+        local part = "?\n" .. #args .. ":" .. args
+        input = input and input .. part or part
     end
     if not input then
         return _M.NO_CREDENTIAL

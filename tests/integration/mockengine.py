@@ -151,7 +151,7 @@ class MockEngine:
 
     def completions(self) -> list[Received]:
         """The completion requests received (chat and legacy)."""
-        return [r for r in self.requests if r.path.endswith("completions")]
+        return [r for r in self.requests if r.path.split("?", 1)[0].endswith("completions")]
 
     def clear(self) -> None:
         with self._lock:
@@ -221,7 +221,8 @@ class _Handler(BaseHTTPRequestHandler):
         with m._lock:
             m.requests.append(Received("POST", self.path, {k.lower(): v for k, v in self.headers.items()},
                                        body, time.time()))
-        if self.path not in ("/v1/chat/completions", "/v1/completions"):
+        path = self.path.split("?", 1)[0]
+        if path not in ("/v1/chat/completions", "/v1/completions"):
             self._error(404, f"Not found: {self.path}", "NotFoundError")
             return
         if m.api_key is not None and self.headers.get("Authorization") != f"Bearer {m.api_key}":
@@ -231,7 +232,7 @@ class _Handler(BaseHTTPRequestHandler):
         with m._lock:
             m.inflight += 1
         try:
-            self._complete(b, body if isinstance(body, dict) else {}, chat=self.path == "/v1/chat/completions")
+            self._complete(b, body if isinstance(body, dict) else {}, chat=path == "/v1/chat/completions")
         finally:
             with m._lock:
                 m.inflight -= 1

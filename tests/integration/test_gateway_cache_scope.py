@@ -158,6 +158,24 @@ def test_callers_with_different_credentials_never_share_an_entry(gw: Gateway, st
         assert secret not in logs
 
 
+def test_a_query_string_credential_scopes_the_entry(gw: Gateway) -> None:
+    # nginx forwards the query string to the engine, which (or a proxy before it) may read a
+    # key there: callers with different query strings, or none, never share an entry
+    payload = body("Who asks by query string?")
+    urls = {q: gw.url + "/v1/chat/completions" + q for q in ("?api_key=A", "?api_key=B", "")}
+    first = {}
+    for n, (q, url) in enumerate(urls.items(), start=1):
+        r = requests.post(url, json=payload, timeout=15)
+        assert r.status_code == 200 and r.headers["X-Kvgate-Cache"] == "MISS", (q, r.text)
+        first[q] = answer_text(r)
+        wait_cached(gw, n)
+    assert len(set(engine(gw).nonces)) == 3 and len(resp_keys(gw)) == 3
+    for q, url in urls.items():
+        r = requests.post(url, json=payload, timeout=15)
+        assert r.headers["X-Kvgate-Cache"] == "HIT" and answer_text(r) == first[q], q
+    assert "api_key=A" not in redis_text(gw)
+
+
 def post_raw(gw: Gateway, payload: dict, pairs: list[tuple[str, str]]) -> tuple[int, dict[str, str], bytes]:
     """POST /v1/chat/completions with exactly these headers, a repeated name sent as many times as
     listed (requests keeps only the last value of a repeated name). -> (status, headers, body)."""

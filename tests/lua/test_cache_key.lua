@@ -197,4 +197,17 @@ H.test("no two combinations of names and values give the same digest input", fun
     end
 end)
 
+H.test("the query string scopes the key too: an engine may authenticate by it", function()
+    local names = { "authorization", "api-key", "x-api-key" }
+    local anon = cache_key.credential({}, names)
+    H.eq(anon, cache_key.NO_CREDENTIAL)
+    H.eq(cache_key.credential({}, names, ""), anon)
+    local a = cache_key.credential({}, names, "api_key=A")
+    local b = cache_key.credential({}, names, "api_key=B")
+    H.truthy(a ~= anon and b ~= anon and a ~= b)
+    -- a header and a query string never pass for one another
+    H.truthy(cache_key.credential({ authorization = "x" }, names, "y") ~= cache_key.credential({ authorization = "x" }, names))
+    H.truthy(cache_key.credential({}, names, "authorization\n1\n1:x") ~= cache_key.credential({ authorization = "x" }, names))
+end)
+
 H.done()
