@@ -297,11 +297,6 @@ function _M.body_filter()
     end
     local chunk, eof = ngx.arg[1], ngx.arg[2]
     if guard then
-        if ctx.stream_cut then
-            -- ended by the shutdown cut below: what the node still sends is dropped
-            ngx.arg[1] = nil
-            return
-        end
         local finished = chunk == "" and not eof and upstream_finished()
         local out, failed = sse_guard.step(guard, chunk, eof, finished, ctx.node)
         if out then
@@ -316,9 +311,10 @@ function _M.body_filter()
         elseif not eof and shutdown.cut_due(config.get().shutdown.cut_streams_after_s) then
             local last = sse_guard.cut(guard, chunk)
             if last then
+                -- eof set here: ngx_lua then drops what the node still sends, without calling
+                -- this filter again (seen_last_in_filter)
                 ngx.arg[1] = last
                 ngx.arg[2] = true
-                ctx.stream_cut = true
                 ctx.stream_failed = true
                 ctx.capture = false
                 metrics.incr("kvgate_stream_cuts_total", { pool = ctx.pool, reason = "shutdown-grace" })
