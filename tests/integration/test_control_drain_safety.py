@@ -57,14 +57,15 @@ def versions(fleet: Fleet) -> int:
 
 def test_apply_refuses_to_remove_a_node_with_streams_in_flight(control_fleet: Callable[..., Fleet],
                                                                tmp_path: Path) -> None:
-    # 80 tokens × 0.1 s: each stream lasts 8 s, long enough for the refusals below
+    # 200 tokens × 0.1 s: each stream lasts 20 s, long enough for the refusals below (two CLI
+    # runs and the API calls, on a loaded machine)
     fleet = control_fleet(n=3, sim="time_scale: 1.0, decode_s_per_token: 0.1", extra="weights: {dynamic: false}")
     victim = "n2"
     key = key_on(fleet, victim)
     others = [n for n in sorted(fleet.node_ports) if n != victim]
     smaller = fleet.write_policy(tmp_path / "without-n2.yaml", nodes=others)
     n_versions = versions(fleet)
-    runner, results = streams(fleet, key, 10, tokens=80)
+    runner, results = streams(fleet, key, 10, tokens=200)
     wait_inflight(fleet, victim, 10)
 
     # an active node with requests in flight: 409 in the API's error shape, with the count
@@ -91,7 +92,7 @@ def test_apply_refuses_to_remove_a_node_with_streams_in_flight(control_fleet: Ca
     res = fleet.kvgate("drain", victim, "--wait", "--timeout", "60")
     assert res.returncode == 0, res.stdout + res.stderr
     runner.join(timeout=60)
-    assert len(results) == 10 and all(not x["error"] and x["tokens"] == 80 for x in results), results[:3]
+    assert len(results) == 10 and all(not x["error"] and x["tokens"] == 200 for x in results), results[:3]
     res = fleet.kvgate("apply", str(smaller))
     assert res.returncode == 0, res.stdout + res.stderr
     assert fleet.api("GET", f"/api/v1/nodes/{victim}").status_code == 404
@@ -124,7 +125,7 @@ def test_up_refuses_and_apply_force_removes_a_node_with_streams_in_flight(contro
     out, err = waiter.communicate(timeout=30)
     assert waiter.returncode == 1, out + err
     assert re.match(rf"error: {victim} was removed from the policy while it was draining \(in flight when last "
-                    r"seen: gateway [\d?]+, engine [\d?]+\)", err), err
+                    r"seen: gateway (\d+|unknown), engine (\d+|unknown)\)", err), err
     assert fleet.api("GET", f"/api/v1/nodes/{victim}").status_code == 404
     removed = fleet.events(kind="node_removed", node=victim)
     assert removed and "forced" in removed[0]["message"] and "in flight" in removed[0]["message"], removed
@@ -137,7 +138,7 @@ def test_drain_of_an_engine_without_metrics_ends_on_the_gateway_count(control_fl
                                                                       start_mocks) -> None:
     # n3 is a plain OpenAI server (the mock: /metrics answers 404), as TGI or llama.cpp would be
     [mock] = start_mocks(1, prefix="plain")
-    mock.set(chunks=20, chunk_delay_s=0.1)  # 2 s streams
+    mock.set(chunks=60, chunk_delay_s=0.1)  # 6 s streams: in flight long enough to be seen at 5
     fleet = control_fleet(n=3, external={"n3": mock.url}, extra="weights: {dynamic: false}")
     key = key_on(fleet, "n3")
     runner, results = streams(fleet, key, 5, tokens=20)

@@ -90,14 +90,24 @@ def test_a_redis_restart_under_load_costs_no_healthy_node_its_traffic(control_fl
         _agents(fleet, ["n1", "n2"], signal.SIGSTOP)  # still backing off when Redis returns
         os.kill(int((fleet.run_dir / "pids" / "sim-n3.pid").read_text()), signal.SIGKILL)
         fleet.wait_state("n3", "ejected", timeout=15)  # probes still decide without Redis
-        up = fleet.kvgate("up", str(fleet.policy_path))
+        ran: dict = {}
+        upper = threading.Thread(target=lambda: ran.update(up=fleet.kvgate("up", str(fleet.policy_path))))
+        upper.start()
+        wait_until(lambda: _redis_answers(fleet), "Redis back (the first step of `kvgate up`)", timeout=30)
+        # the agents resume as their backoff would let them: its longest wait is
+        # max(interval, min(10 s, 5 x interval)) = 2.5 s at a 0.5 s interval. Before the fix,
+        # n1 was ejected ~1 s after the store came back ("no agent report"), n2 kept only by
+        # the last-serving-node rule; now their missing reports are unknown for the grace
+        time.sleep(2.0)
+        assert _report_grace(fleet) == 1
+        bad = [(n["id"], n["state"], n["reason"]) for n in fleet.api("GET", "/api/v1/nodes").json()["nodes"]
+               if n["id"] in ("n1", "n2") and n["state"] != "active"]
+        _agents(fleet, ["n1", "n2"], signal.SIGCONT)
+        upper.join(timeout=120)
+        up = ran["up"]
         assert up.returncode == 0, up.stdout + up.stderr
         assert "sim-n3    started" in up.stdout, up.stdout
-        # before the fix: n1 ejected ~1 s after the store came back ("no agent report"), n2
-        # kept only by the last-serving-node rule
-        assert _report_grace(fleet) == 1
-        bad = _keep_active(fleet, ["n1", "n2"], 2.5)
-        _agents(fleet, ["n1", "n2"], signal.SIGCONT)
+        bad += _keep_active(fleet, ["n1", "n2"], 2.5)
         assert not bad, bad
         fleet.wait_state("n3", "active", timeout=40)  # its engine restarted: warmed and ramped
         bad = _keep_active(fleet, ["n1", "n2"], 1.0)
@@ -114,6 +124,13 @@ def test_a_redis_restart_under_load_costs_no_healthy_node_its_traffic(control_fl
     assert fleet.events(kind="store_back"), [e["message"] for e in fleet.events()][:10]
     failed = [r for r in results if r[0] in ("n1", "n2") and not (r[1] == 200 and r[2])]
     assert results and not failed, failed[:5]
+
+
+def _redis_answers(fleet) -> bool:
+    try:
+        return bool(redis.Redis(port=fleet.redis_port, socket_timeout=0.5, socket_connect_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
 
 
 def _report_grace(fleet) -> float:
