@@ -313,3 +313,30 @@ def test_passive_health_keeps_the_last_serving_node(control_fleet, start_mocks):
     skipped = fleet.events(node="n1", kind="eject_skipped")[0]
     assert "last serving node" in skipped["message"] and "5xx" in skipped["message"], skipped
     assert fleet.node("n1")["state"] == "active"
+
+
+def test_passive_health_ejects_at_most_its_share_of_a_pool(control_fleet, start_mocks):
+    # a request that fails on every engine (a poison prompt retried in a loop) follows its key
+    # from node to node: passive health must not eject the pool away. Two of three nodes
+    # answer 500; health.passive.max_ejected_share 0.5 of 3 nodes → at most 1 ejected at once
+    bad = start_mocks(2, prefix="bad")
+    fleet = control_fleet(n=3, external={"n2": bad[0].url, "n3": bad[1].url}, extra="weights: {dynamic: false}")
+    every = [f"p{i}" for i in range(90)]
+    keys = [k for k in every if fleet.route(k) in ("n2", "n3")][:16]
+    for m in bad:
+        m.set(status=500)
+    seen_ejected: list[list[str]] = []
+    deadline = time.monotonic() + 30
+    i = 0
+    while not fleet.events(kind="eject_skipped"):
+        assert time.monotonic() < deadline, (fleet.states(), [e["message"] for e in fleet.events()][:5])
+        for _ in range(6):
+            _chat_key(fleet, keys[i % len(keys)])
+            i += 1
+        states = fleet.states()
+        seen_ejected.append(sorted(n for n, s in states.items() if s == "ejected"))
+    skipped = fleet.events(kind="eject_skipped")[0]
+    assert "max_ejected_share" in skipped["message"] and "5xx" in skipped["message"], skipped
+    assert any(seen_ejected), seen_ejected  # one of them was ejected ...
+    assert all(len(e) <= 1 for e in seen_ejected), seen_ejected  # ... never both
+    assert fleet.states()["n1"] == "active"

@@ -882,9 +882,12 @@ class ControlPlane:
             h = rec["health"]
             h["last_check"] = now
             h["passive"] = self.passive.figures(rec["id"])
+            capped = False
             if hc.passive.enabled and rec["state"] in st.SERVING and self._gateway.get("ok"):
                 why = self.passive.verdict(rec["id"], hc.passive)
                 if why:
+                    # failing on its 5xx share alone: ejected only within the pool's share
+                    capped = not reasons and not self._passive_room(rec, hc.passive.max_ejected_share)
                     reasons.append(why)
             if reasons:
                 h["fails"], h["passes"], h["last_error"] = h["fails"] + 1, 0, "; ".join(reasons)
@@ -895,7 +898,13 @@ class ControlPlane:
                     self._event("eject_skipped", f"{rec['id']}: {h['fails']} failed health checks, but it is the "
                                 f"last serving node of pool {rec['pool']}: kept in the ring ({h['last_error']})",
                                 node=rec["id"], pool=rec["pool"])
-                if not last and rec["state"] in (st.WARMING, st.RAMPING, st.ACTIVE) and h["fails"] >= hc.eject_after:
+                if capped and not last and h["fails"] == hc.eject_after:
+                    self._event("eject_skipped", f"{rec['id']}: {h['fails']} failed health checks on its 5xx share "
+                                f"alone, but passive health already ejected the most of pool {rec['pool']} it may "
+                                f"(health.passive.max_ejected_share {hc.passive.max_ejected_share:g}): kept in the "
+                                f"ring ({h['last_error']})", node=rec["id"], pool=rec["pool"])
+                if (not last and not capped and rec["state"] in (st.WARMING, st.RAMPING, st.ACTIVE)
+                        and h["fails"] >= hc.eject_after):
                     rec["resume_state"] = rec["state"]
                     rec["engine_start_time_at_eject"] = rec.get("engine_start_time")
                     self.passive.reset(rec["id"])  # no traffic while ejected: judged again on its return
@@ -909,6 +918,13 @@ class ControlPlane:
                 elif rec["state"] == st.EJECTED and h["passes"] >= hc.recover_after:
                     self._recover(rec)
             self._save(rec)
+
+    def _passive_room(self, rec: dict[str, Any], share: float) -> bool:
+        """Whether ejecting ``rec`` keeps its pool's ejected nodes within ``share`` of the pool
+        (rounded down, at least 1): the cap on ejections by passive health."""
+        pool = [r for r in self.nodes.values() if r["pool"] == rec["pool"]]
+        ejected = sum(1 for r in pool if r["state"] == st.EJECTED)
+        return ejected + 1 <= max(1, int(len(pool) * share))
 
     def _recover(self, rec: dict[str, Any]) -> None:
         """An ejected node passed ``recover_after`` checks: back through warming if its engine

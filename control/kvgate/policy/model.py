@@ -413,6 +413,12 @@ class PassiveHealthConfig(_Strict):
         30.0, gt=0, description="The window of answers judged (seconds). It starts again when the node is ejected "
         "and when it comes back: a returning node is judged on fresh traffic only.",
     )
+    max_ejected_share: float = Field(
+        0.5, gt=0, le=1, description="Passive health ejects a node only while at most this share of its pool's "
+        "nodes (rounded down, at least 1) would be ejected (Envoy's `max_ejection_percent`): one client retrying "
+        "a request that fails every engine follows its key from node to node, and must not empty the pool. A node "
+        "whose probe or agent also fails is ejected regardless.",
+    )
 
 
 class HealthConfig(_Strict):
