@@ -3,8 +3,8 @@
 --   luajit tests/lua/bench_cache_key.lua
 -- Against an older cache_key.lua whose credential() took one header's value
 -- (credential(headers["authorization"])):
---   git show <rev>:lua/kvgate/cache_key.lua > /tmp/ck_old.lua
---   CACHE_KEY=/tmp/ck_old.lua CACHE_KEY_SINGLE=1 luajit tests/lua/bench_cache_key.lua
+--   old=$(mktemp --suffix .lua); git show <rev>:lua/kvgate/cache_key.lua > "$old"
+--   CACHE_KEY="$old" CACHE_KEY_SINGLE=1 luajit tests/lua/bench_cache_key.lua
 -- Header tables carry ngx_lua's metatable (a missing name is lowercased and looked up
 -- again) and ~10 ordinary headers; values vary per call (1000 distinct) so the JIT
 -- cannot fold a call away. Figures: best of 5 runs, microseconds per call.

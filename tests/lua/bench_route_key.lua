@@ -3,8 +3,8 @@
 -- runner picks up test_*.lua only). Run from the repo root:
 --   luajit tests/lua/bench_route_key.lua
 -- Side by side with another route_key.lua (e.g. the one before a change):
---   git show HEAD~1:lua/kvgate/route_key.lua > /tmp/rk_old.lua
---   ROUTE_KEY=/tmp/rk_old.lua luajit tests/lua/bench_route_key.lua
+--   old=$(mktemp --suffix .lua); git show HEAD~1:lua/kvgate/route_key.lua > "$old"
+--   ROUTE_KEY="$old" luajit tests/lua/bench_route_key.lua
 -- Inputs vary per call (1000 distinct), so the JIT cannot fold a call away; figures
 -- are the best of 5 runs, in microseconds per call.
 local ffi = require "ffi"
