@@ -16,6 +16,7 @@ from pathlib import Path
 import requests
 
 from gwfixtures import MODEL, Gateway, free_port, make_policy
+from kvgate.bench.balancer import bare_nginx_conf
 from kvgate.render import default_lua_dir
 from kvgate.ring import Ring, key_point, pool_ring
 from mockengine import MockEngine
@@ -116,19 +117,7 @@ def test_a_unix_socket_node_is_reached_through_the_lua_balancer(tmp_path) -> Non
     for d in ("conf", "logs", "tmp"):
         (prefix / d).mkdir(parents=True)
     listen, tcp = free_port(), free_port()
-    (prefix / "conf" / "nginx.conf").write_text(f"""
-load_module /usr/lib/nginx/modules/ndk_http_module.so;
-load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
-worker_processes 1;
-pid logs/nginx.pid;
-error_log logs/error.log warn;
-events {{ worker_connections 64; }}
-http {{
-    access_log off;
-    client_body_temp_path tmp/cb; proxy_temp_path tmp/p; fastcgi_temp_path tmp/f;
-    uwsgi_temp_path tmp/u; scgi_temp_path tmp/s;
-    lua_package_path "{default_lua_dir()}/?.lua;;";
-    lua_shared_dict kvgate_state 1m;
+    (prefix / "conf" / "nginx.conf").write_text(bare_nginx_conf(default_lua_dir(), http_body=f"""
     init_by_lua_block {{
         local chash = require "kvgate.balancer.chash"
         UNIX_POOL = assert(chash.new({{ name = "u", nodes = {{
@@ -148,9 +137,7 @@ http {{
         proxy_http_version 1.1;
         proxy_set_header Connection "";
         location / {{ add_header X-Up $upstream_addr always; proxy_pass http://u; }}
-    }}
-}}
-""")
+    }}"""))
     subprocess.run(["nginx", "-p", str(prefix), "-c", "conf/nginx.conf"], check=True)
     try:
         ring = Ring([("sock", 100), ("tcp", 100)])

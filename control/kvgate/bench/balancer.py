@@ -78,24 +78,36 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _conf(lua_dir: Path, listen: int, backends: list[int], workers: int) -> str:
-    nodes = ", ".join(f'{{ id = "n{i + 1}", peer = "127.0.0.1:{p}", weight = 100 }}'
-                      for i, p in enumerate(backends))
-    servers = "\n".join(f"        server 127.0.0.1:{p} weight=100 max_fails=1 fail_timeout=10s;" for p in backends)
-    listens = "\n".join(f"        listen 127.0.0.1:{p};" for p in backends)
+def bare_nginx_conf(lua_dir: Path | str, http_body: str, workers: int = 1, connections: int = 64) -> str:
+    """A private nginx.conf that loads the Lua module and kvgate's modules from ``lua_dir`` and
+    runs ``http_body`` (upstreams, servers, init_by_lua …) inside ``http { }``: the shared
+    prologue (modules, pid and log under the prefix, temp paths, ``lua_package_path``, the
+    ``kvgate_state`` dict the balancer marks failures in) of the benchmark and of the tests
+    that drive ``kvgate.balancer.chash`` without the rest of the gateway."""
     return f"""
 load_module /usr/lib/nginx/modules/ndk_http_module.so;
 load_module /usr/lib/nginx/modules/ngx_http_lua_module.so;
 worker_processes {workers};
 pid logs/nginx.pid;
 error_log logs/error.log warn;
-events {{ worker_connections 4096; }}
+events {{ worker_connections {connections}; }}
 http {{
     access_log off;
     client_body_temp_path tmp/client_body; proxy_temp_path tmp/proxy; fastcgi_temp_path tmp/fastcgi;
     uwsgi_temp_path tmp/uwsgi; scgi_temp_path tmp/scgi;
     lua_package_path "{lua_dir}/?.lua;;";
     lua_shared_dict kvgate_state 1m;
+{http_body}
+}}
+"""
+
+
+def _conf(lua_dir: Path, listen: int, backends: list[int], workers: int) -> str:
+    nodes = ", ".join(f'{{ id = "n{i + 1}", peer = "127.0.0.1:{p}", weight = 100 }}'
+                      for i, p in enumerate(backends))
+    servers = "\n".join(f"        server 127.0.0.1:{p} weight=100 max_fails=1 fail_timeout=10s;" for p in backends)
+    listens = "\n".join(f"        listen 127.0.0.1:{p};" for p in backends)
+    return bare_nginx_conf(lua_dir, workers=workers, connections=4096, http_body=f"""
     init_by_lua_block {{
         local chash = require "kvgate.balancer.chash"
         BENCH_POOL = assert(chash.new({{ name = "bench", nodes = {{ {nodes} }} }}))
@@ -132,9 +144,7 @@ http {{
         }}
         location = /native {{ proxy_pass http://native; }}
         location = /lua {{ proxy_pass http://lua; }}
-    }}
-}}
-"""
+    }}""")
 
 
 def _cpu_s(pids: list[int]) -> float:
