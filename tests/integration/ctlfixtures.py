@@ -47,6 +47,9 @@ class Fleet:
     external: dict[str, str] = field(default_factory=dict)
     """Node id → URL of an engine the test runs itself (e.g. a mockengine.MockEngine): the policy
     lists it with ``simulate: false``, so ``kvgate up`` starts no simulator and no agent for it."""
+    internal_port: int = field(default_factory=free_port)
+    """The gateway's ``internal_listen`` port (runtime pushes, ``GET /kvgate/config``): a free one, so
+    the gateways of tests running at once on one machine never collide on the default 9080."""
 
     @property
     def gateway(self) -> str:
@@ -143,7 +146,7 @@ def default_template(fleet: Fleet, *, nodes: list[str] | None = None, weights: d
         f'weight: {weights.get(n, 1)}}}' for n in nodes)
     return f"""
 version: 1
-gateway: {{listen: "127.0.0.1:{fleet.gateway_port}", debug_headers: true{gateway_extra}}}
+gateway: {{listen: "127.0.0.1:{fleet.gateway_port}", internal_listen: "127.0.0.1:{fleet.internal_port}", debug_headers: true{gateway_extra}}}
 redis: {{url: "redis://127.0.0.1:{fleet.redis_port}/0"}}
 pools:
   - name: default

@@ -256,7 +256,9 @@ class Gateway:
 
 def make_policy(sims: list[Sim], redis: RedisServer | None, *, balancer: str = "chash",
                 gateway: dict | None = None, cache: dict | None = None, pool: dict | None = None) -> Policy:
-    gw = {"listen": f"127.0.0.1:{free_port()}", "worker_processes": 2, "debug_headers": True,
+    # internal_listen: a free port too, so gateways of tests running at once never collide
+    gw = {"listen": f"127.0.0.1:{free_port()}", "internal_listen": f"127.0.0.1:{free_port()}",
+          "worker_processes": 2, "debug_headers": True,
           "connect_timeout_s": 0.5, "read_timeout_s": 30, "max_body_bytes": 65536,
           "worker_shutdown_timeout_s": 40}
     gw.update(gateway or {})

@@ -5,7 +5,7 @@ import os
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -28,11 +28,12 @@ class OneNode:
     policy: Path
     run_dir: Path
     control: int = 0
+    internal: int = field(default_factory=free_port)
 
     def write(self, path: Path, *, gw: int | None = None, rd: int | None = None, time_scale: str = "0.01",
               extra_node: str = "") -> Path:
         path.write_text(f"""
-gateway: {{listen: "127.0.0.1:{gw or self.gw}"}}
+gateway: {{listen: "127.0.0.1:{gw or self.gw}", internal_listen: "127.0.0.1:{self.internal}"}}
 redis: {{url: "redis://127.0.0.1:{rd or self.rd}/0"}}
 control: {{listen: "127.0.0.1:{self.control}"}}
 pools:

@@ -43,13 +43,13 @@ def conversation_subset(path: Path, n: int) -> list[dict]:
 
 @pytest.fixture
 def stack(tmp_path):
-    ports = [free_port() for _ in range(7)]
+    ports = [free_port() for _ in range(8)]
     policy = tmp_path / "policy.yaml"
     nodes = "\n".join(f'      - {{id: n{i + 1}, url: "http://127.0.0.1:{p}", simulate: true}}'
                       for i, p in enumerate(ports[2:6]))
     policy.write_text(f"""
 version: 1
-gateway: {{listen: "127.0.0.1:{ports[0]}", worker_processes: 2, debug_headers: true}}
+gateway: {{listen: "127.0.0.1:{ports[0]}", internal_listen: "127.0.0.1:{ports[7]}", worker_processes: 2, debug_headers: true}}
 redis: {{url: "redis://127.0.0.1:{ports[1]}/0"}}
 control: {{listen: "127.0.0.1:{ports[6]}"}}
 pools:

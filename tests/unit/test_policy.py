@@ -181,3 +181,30 @@ def test_reload_grace_follows_the_read_timeout_unless_set(gateway, grace):
     assert gw.worker_shutdown_timeout_s == grace
     cut = stream_cut_after_s(gw.worker_shutdown_timeout_s, gw.read_timeout_s)
     assert cut == (299 if grace > 303 else grace - gw.read_timeout_s - 1)
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1:9080", "127.0.0.9:1", "[::1]:9080", "unix:/run/kvgate/internal.sock"])
+def test_internal_listen_accepts_loopback_only_addresses(value):
+    p = parse_policy_text(MINIMAL + f'gateway: {{internal_listen: "{value}"}}\n')
+    assert p.gateway.internal_listen == value
+
+
+def test_internal_listen_default():
+    assert parse_policy_text(MINIMAL).gateway.internal_listen == "127.0.0.1:9080"
+
+
+@pytest.mark.parametrize("value, why", [
+    ("0.0.0.0:9080", "not a loopback address"), ("10.0.0.5:9080", "not a loopback address"),
+    ("[::]:9080", "not a loopback address"), ("localhost:9080", "not an IP address"),
+    ("127.0.0.1", "expected HOST:PORT"), ("unix:relative.sock", "unix:/absolute/path"),
+])
+def test_internal_listen_refuses_what_a_network_could_reach(value, why):
+    found = issues(MINIMAL + f'gateway: {{internal_listen: "{value}"}}\n')
+    assert any(i.startswith("gateway.internal_listen:") and why in i for i in found), found
+
+
+def test_internal_listen_clashes_with_other_listeners():
+    found = issues(MINIMAL + 'gateway: {listen: "127.0.0.1:9080"}\n')
+    assert "gateway.internal_listen: 127.0.0.1:9080 is also gateway.listen" in found
+    found = issues(MINIMAL + 'gateway: {internal_listen: "127.0.0.1:9001"}\n')
+    assert any(i.startswith("pools[0].nodes[0].url: 127.0.0.1:9001 is also gateway.internal_listen") for i in found)

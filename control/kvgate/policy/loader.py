@@ -107,7 +107,7 @@ def _same_host(a: str, b: str) -> bool:
 
 def cross_check(policy: Policy) -> list[PolicyIssue]:
     """Rules that span fields: unique pool names, node ids and addresses, each model in one
-    pool, and no two listeners (gateway, Redis, control plane, nodes) on one address."""
+    pool, and no two listeners (gateway, its internal listener, Redis, control plane, nodes) on one address."""
     issues: list[PolicyIssue] = []
     host, _, port = policy.gateway.listen.rpartition(":")
     listeners: list[tuple[str, int, str]] = [(host, int(port), "gateway.listen")]
@@ -120,6 +120,10 @@ def cross_check(policy: Policy) -> list[PolicyIssue]:
                 return
         listeners.append((host, port, where))
 
+    internal = policy.gateway.internal_listen
+    if not internal.startswith("unix:"):
+        ihost, _, iport = internal.rpartition(":")
+        clash("gateway.internal_listen", ihost.strip("[]"), int(iport))
     if policy.redis.managed:
         clash("redis.url", policy.redis.host, policy.redis.port)
     chost, _, cport = policy.control.listen.rpartition(":")

@@ -8,6 +8,7 @@ checked after the fields themselves.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from typing import Any, Literal
@@ -36,10 +37,42 @@ def _host_port(value: str) -> str:
     return value
 
 
+def _loopback_listen(value: str) -> str:
+    """A listen address only this machine can reach: ``127.0.0.0/8:PORT``, ``[::1]:PORT`` or
+    ``unix:/absolute/path`` (the push endpoint changes routing: it must never face a network)."""
+    if value.startswith("unix:"):
+        path = value[5:]
+        if not path.startswith("/") or len(path) < 2 or any(c.isspace() or c in ";{}" for c in path):
+            raise ValueError(f"expected unix:/absolute/path, got {value!r}")
+        return value
+    _host_port(value)
+    host = value.rpartition(":")[0]
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if host != bare and ":" not in bare or host == bare and ":" in bare:
+        raise ValueError(f"expected 127.0.0.1:PORT, [::1]:PORT or unix:/path, got {value!r}")
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        raise ValueError(f"{host!r} is not an IP address: use 127.0.0.1:PORT, [::1]:PORT or unix:/path "
+                         "(a host name could resolve off this machine)") from None
+    if not ip.is_loopback:
+        raise ValueError(f"{host} is not a loopback address: the internal listener takes runtime pushes and must "
+                         "stay on this machine (127.0.0.1:PORT, [::1]:PORT or unix:/path)")
+    return value
+
+
 class GatewayConfig(_Strict):
     """The nginx data path."""
 
     listen: str = Field("127.0.0.1:8080", description="HOST:PORT nginx listens on for client traffic.")
+    internal_listen: str = Field(
+        "127.0.0.1:9080",
+        description="Loopback-only address of the gateway's internal server, where the control plane pushes the "
+        "runtime (weights, node states, balancer per pool, cache namespace: `POST /kvgate/config`, no reload) and "
+        "reads the one in force (`GET /kvgate/config`). `127.0.0.x:PORT`, `[::1]:PORT` or `unix:/absolute/path`; "
+        "nginx also refuses any peer that is not loopback, and every call needs the secret in "
+        "`<prefix>/conf/push.secret`. Give each gateway on one machine its own port.",
+    )
     worker_processes: int = Field(2, ge=1, le=64, description="nginx worker processes.")
     worker_connections: int = Field(4096, ge=64, description="nginx worker_connections.")
     max_body_bytes: int = Field(
@@ -92,6 +125,11 @@ class GatewayConfig(_Strict):
     @classmethod
     def _check_listen(cls, v: str) -> str:
         return _host_port(v)
+
+    @field_validator("internal_listen")
+    @classmethod
+    def _check_internal_listen(cls, v: str) -> str:
+        return _loopback_listen(v)
 
     @field_validator("client_body_deadline_s")
     @classmethod
