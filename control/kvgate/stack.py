@@ -1,14 +1,7 @@
 """Run a whole kvgate stack as local processes: a private Redis, the engine simulators, nginx.
 
-Everything lives under one *run directory* (default ``.kvgate/run`` in the current
-directory, or ``$KVGATE_RUN_DIR``)::
-
-    run/
-      state.json          which policy file the stack runs (so `down`/`status` need no argument)
-      pids/<name>.pid     one per process we started (redis, sim-<node>); nginx keeps its own
-      logs/<name>.log     stdout/stderr of each process
-      redis/              the private Redis's working directory (no persistence)
-      nginx/              the private nginx prefix: conf/, logs/, temp/
+Everything lives under one *run directory* (:mod:`kvgate.rundir`: ``state.json``, ``pids/``,
+``logs/``, ``redis/``, ``nginx/``, the admin token).
 
 ``up`` is idempotent: a process that is already running and healthy is left alone,
 stale pid files (process gone, or the pid reused by another program) are removed,
@@ -19,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
-import os
 import signal
 import socket
 import subprocess
@@ -33,20 +24,15 @@ from typing import Iterator
 import psutil
 import requests
 
+from .addr import http_url, split_host_port
 from .nginxctl import Nginx, find_binary
 from .render import Runtime, render
 from .policy import NodeConfig, Policy, PolicyError, load_policy
-
-DEFAULT_RUN_DIR = Path(".kvgate") / "run"
+from .rundir import DEFAULT_RUN_DIR, RunDir, default_run_dir  # noqa: F401 (default_run_dir: re-export)
 
 
 class StackError(RuntimeError):
     """A part of the stack could not be started or is unhealthy; the message says which and why."""
-
-
-def default_run_dir() -> Path:
-    """``$KVGATE_RUN_DIR`` if set, else ``./.kvgate/run``."""
-    return Path(os.environ.get("KVGATE_RUN_DIR", DEFAULT_RUN_DIR)).resolve()
 
 
 def _port_open(host: str, port: int, timeout: float = 0.3) -> bool:
@@ -89,10 +75,11 @@ class Stack:
     """
 
     def __init__(self, run_dir: Path | None = None):
-        self.run_dir = Path(run_dir or default_run_dir()).resolve()
-        self.pids = self.run_dir / "pids"
-        self.logs = self.run_dir / "logs"
-        self.nginx = Nginx(self.run_dir / "nginx")
+        self.dir = RunDir(run_dir)
+        self.run_dir = self.dir.root
+        self.pids = self.dir.pids
+        self.logs = self.dir.logs
+        self.nginx = Nginx(self.dir.nginx_prefix)
 
     # ----------------------------------------------------------------- lock
     @contextlib.contextmanager
@@ -100,7 +87,7 @@ class Stack:
         """Hold the run directory's lock: two ``up``/``down`` at once would start parts the
         other does not know about. Waits up to ``timeout`` s, then raises StackError."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "lock", "a+") as fh:
+        with open(self.dir.lock_file, "a+") as fh:
             deadline = time.monotonic() + timeout
             told = False
             while True:
@@ -109,7 +96,7 @@ class Stack:
                     break
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise StackError(f"another kvgate up/down holds {self.run_dir / 'lock'}; "
+                        raise StackError(f"another kvgate up/down holds {self.dir.lock_file}; "
                                          f"gave up after {timeout:.0f}s") from None
                     if not told:
                         echo("waiting for another kvgate up/down on this run directory ...")
@@ -123,20 +110,16 @@ class Stack:
     # ---------------------------------------------------------------- state
     @property
     def state_file(self) -> Path:
-        return self.run_dir / "state.json"
+        return self.dir.state_file
 
     @property
     def running_policy_file(self) -> Path:
-        """A copy of the policy the stack runs, taken when ``up`` succeeded (the operator's
-        file may have been edited since)."""
-        return self.run_dir / "policy.yaml"
+        """A copy of the policy the stack runs (:attr:`kvgate.rundir.RunDir.running_policy_file`)."""
+        return self.dir.running_policy_file
 
     def policy_path(self) -> Path | None:
         """The operator's policy file the running stack was started from, if any."""
-        try:
-            return Path(json.loads(self.state_file.read_text())["policy"])
-        except (OSError, ValueError, KeyError):
-            return None
+        return self.dir.policy_path()
 
     def _running_listen(self) -> str | None:
         """The gateway address of the running stack's policy (None if unknown or invalid now)."""
@@ -152,25 +135,23 @@ class Stack:
         Raises:
             PolicyError: the copy no longer validates (a newer kvgate with stricter rules).
         """
-        if self.running_policy_file.exists():
-            return load_policy(self.running_policy_file)
-        return None
+        return self.dir.load_running_policy()
 
     # ----------------------------------------------------------- pid files
     @property
     def token_file(self) -> Path:
         """The admin token of this run directory (mode 0600; created by the first ``up``)."""
-        return self.run_dir / "admin.token"
+        return self.dir.token_file
 
     def _pid_file(self, name: str) -> Path:
-        return self.pids / f"{name}.pid"
+        return self.dir.pid_file(name)
 
     def _is_ours(self, name: str, proc: psutil.Process) -> bool:
         """Whether ``proc`` is the process ``name`` of this run directory — checked exactly, so
         a reused pid (an editor, a shell, a test run) is never signalled."""
         if name == "redis":
             # redis-server rewrites its title; its working directory (--dir) is ours alone
-            return "redis-server" in proc.name() and Path(proc.cwd()) == self.run_dir / "redis"
+            return "redis-server" in proc.name() and Path(proc.cwd()) == self.dir.redis_dir
         if name.startswith("sim-"):
             return proc.cmdline()[1:6] == ["-m", "kvgate", "sim", "--node-id", name[4:]]
         if name == "control":
@@ -231,7 +212,7 @@ class Stack:
             binary = find_binary("redis-server", "redis-server")
         except FileNotFoundError as exc:
             raise StackError(f"redis: {exc}") from None
-        rdir = self.run_dir / "redis"
+        rdir = self.dir.redis_dir
         rdir.mkdir(parents=True, exist_ok=True)
         res = subprocess.run(
             [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no",
@@ -335,8 +316,7 @@ class Stack:
             d.mkdir(parents=True, exist_ok=True)
         self.nginx.test(render(policy, self.nginx.lua_dir))
         if not self.nginx.pid() or policy.gateway.listen != self._running_listen():
-            host, _, port = policy.gateway.listen.rpartition(":")
-            if _port_open(host, int(port)):
+            if _port_open(*split_host_port(policy.gateway.listen)):
                 raise StackError(f"gateway: {policy.gateway.listen} is already in use by another program")
 
         started: list[str] = []
@@ -375,10 +355,7 @@ class Stack:
                 except Exception as exc:  # the original failure is what the caller must see
                     echo(f"warning: could not restore the previous policy: {exc}")
             raise
-        tmp = self.running_policy_file.with_suffix(".yaml.new")
-        tmp.write_text(Path(policy_path).read_text(encoding="utf-8"), encoding="utf-8")
-        os.replace(tmp, self.running_policy_file)
-        self.state_file.write_text(json.dumps({"policy": str(Path(policy_path).resolve())}) + "\n")
+        self.dir.record_running(policy_path)
         return policy
 
     # -------------------------------------------------------- control plane
@@ -397,9 +374,7 @@ class Stack:
         return runtime_for(policy, records, pools) if records else None
 
     def control_url(self, policy: Policy) -> str:
-        from .control.plane import connect_address
-
-        return f"http://{connect_address(policy.control.listen)}"
+        return http_url(policy.control.listen)
 
     def control_command(self, policy_path: Path, policy: Policy) -> list[str]:
         """The ``kvgate control`` command line of this run directory."""
@@ -443,8 +418,7 @@ class Stack:
         restarted = bool(self._live_pid("control"))
         if restarted:
             self._stop_pid("control")
-        host, _, port = self.control_url(policy).removeprefix("http://").rpartition(":")
-        if _port_open(host.strip("[]"), int(port)):
+        if _port_open(*split_host_port(self.control_url(policy).removeprefix("http://"))):
             raise StackError(f"control: {policy.control.listen} is already in use by another program")
         proc = self._spawn("control", self.control_command(policy_path, policy))
         deadline = time.monotonic() + timeout
@@ -535,8 +509,7 @@ class Stack:
         if self.nginx.pid():
             self.nginx.stop()
             echo("nginx     stopped")
-        self.running_policy_file.unlink(missing_ok=True)
-        self.state_file.unlink(missing_ok=True)
+        self.dir.clear_running()
         if self.pids.is_dir():
             for f in sorted(self.pids.glob("*.pid")):
                 name = f.stem

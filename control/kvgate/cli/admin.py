@@ -26,7 +26,7 @@ def connection(f):
 
 def _client(ctx: click.Context, control_url: str | None, token: str | None):
     from ..control.client import ControlClient, ControlError, resolve
-    from ..stack import default_run_dir
+    from ..rundir import default_run_dir
 
     run_dir = Path((ctx.obj or {}).get("run_dir") or default_run_dir())
     try:
@@ -290,10 +290,10 @@ def events_command(ctx, node, kind, limit, as_json, control_url, token) -> None:
 @click.pass_context
 def token_command(ctx) -> None:
     """Print the admin token of this run directory (created by `kvgate up` / `kvgate control`)."""
-    from ..control.token import TOKEN_FILE, read_token
-    from ..stack import default_run_dir
+    from ..control.token import read_token
+    from ..rundir import RunDir
 
-    path = Path((ctx.obj or {}).get("run_dir") or default_run_dir()) / TOKEN_FILE
+    path = RunDir((ctx.obj or {}).get("run_dir")).token_file
     try:
         click.echo(read_token(path))
     except (OSError, ValueError) as exc:

@@ -35,7 +35,7 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
 
     from ..nginxctl import Nginx
     from ..policy import load_policy, parse_policy_text
-    from ..stack import default_run_dir
+    from ..rundir import RunDir
     from .app import create_app
     from .plane import ApplyError, ControlPlane
     from .store import Store, StoreError
@@ -43,7 +43,7 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
-    run_dir = Path((ctx.obj or {}).get("run_dir") or default_run_dir()).resolve()
+    run_dir = RunDir((ctx.obj or {}).get("run_dir")).root
     text = None
     try:
         if policy_path is not None:

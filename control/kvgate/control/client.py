@@ -8,7 +8,9 @@ from typing import Any
 
 import requests
 
-from .token import TOKEN_FILE, read_token
+from ..addr import http_url
+from ..rundir import RunDir
+from .token import read_token
 
 
 class ControlError(RuntimeError):
@@ -32,23 +34,20 @@ def resolve(run_dir: Path, url: str | None = None, token: str | None = None) -> 
     else ``http://127.0.0.1:9090``. Token: ``token``, else ``$KVGATE_TOKEN``, else
     ``<run_dir>/admin.token``. Raises ControlError when no token can be found.
     """
+    rd = RunDir(run_dir)
     url = url or os.environ.get("KVGATE_CONTROL_URL")
     if not url:
-        from .plane import connect_address
-
         listen = "127.0.0.1:9090"
         try:
-            from ..stack import Stack
-
-            running = Stack(run_dir).load_running_policy()
+            running = rd.load_running_policy()
             if running is not None:
                 listen = running.control.listen
         except Exception:  # an unreadable running policy must not hide the default
             pass
-        url = f"http://{connect_address(listen)}"
+        url = http_url(listen)
     token = token or os.environ.get("KVGATE_TOKEN")
     if not token:
-        path = Path(run_dir) / TOKEN_FILE
+        path = rd.token_file
         try:
             token = read_token(path)
         except (OSError, ValueError) as exc:

@@ -95,14 +95,7 @@ def _work_text(b: dict[str, Any]) -> str:
             f"gateway, {num(b['inflight_engine'])} at the engine")
 
 
-def connect_address(listen: str) -> str:
-    """An address to connect to for a listen address (``0.0.0.0:8080`` → ``127.0.0.1:8080``)."""
-    host, _, port = listen.rpartition(":")
-    if host in ("0.0.0.0", "*", ""):
-        host = "127.0.0.1"
-    elif host in ("::", "[::]"):
-        host = "[::1]"
-    return f"{host}:{port}"
+from ..addr import connect_address  # noqa: E402,F401 (moved to kvgate.addr; re-exported for old imports)
 
 
 def runtime_for(policy: Policy, records: dict[str, dict[str, Any]], pools: dict[str, dict[str, Any]]) -> Runtime:
