@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.control.plane import runtime_for
-from kvgate.control.weights import (
+from kvgate.fleet.weights import (
     CAPACITY_MAX,
     CAPACITY_MIN,
     KV_FREE,

@@ -46,7 +46,7 @@ from .health import PassiveWindows, StoreWatch
 from .history import History
 from .store import Store, StoreError
 from .warmup import WarmupResult, run_warmup
-from .weights import Damper, capacities, computed_weight, load_factor, ramp_weight
+from ..fleet.weights import Damper, capacities, computed_weight, load_factor, ramp_weight
 
 log = logging.getLogger("kvgate.control")
 

@@ -6,17 +6,34 @@ computed weight is applied only when it differs from the applied one by more tha
 ``weights.change_threshold`` and no sooner than ``weights.min_interval_s`` after the
 pool's last load-driven change; small fluctuations never reach nginx.
 
-Units: nginx ``weight=`` integers, :data:`kvgate.render.WEIGHT_SCALE` per 1.0 of
-base weight (base weight 1, capacity 1, no load → 100).
+Units: nginx ``weight=`` integers, :data:`WEIGHT_SCALE` per 1.0 of base weight (base
+weight 1, capacity 1, no load → 100). ``0`` means down (not taking traffic): every weight a
+serving node gets is at least 1.
+
+This is the one module with the weight arithmetic: the scale, ``0 = down``, the ramp share,
+the target a node serves at (:func:`target_of`), the serving weights that define a key's home
+node (:func:`serving_weights`) and the damped target step (:func:`weights_step`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
-from ..policy.model import WeightsConfig
-from ..render import WEIGHT_SCALE
+from ..policy.model import Policy, WeightsConfig
+from . import states as st
+from .changes import Change, Save, SavePool, event
+from .events import EventKind
+from .records import NodeRecord, PoolState, fresh_report
+
+WEIGHT_SCALE = 100
+"""nginx ``weight=`` units per 1.0 of policy base weight: the control plane's capacity, load
+and ramp factors are fractions, and nginx weights are integers. Ketama gives a server
+``160 × weight`` points, each derived from the previous one, so raising one node's weight
+only adds that node's points: keys move to it and nowhere else."""
+
+DOWN = 0
+"""The weight of a node that takes no traffic (nginx ``down``)."""
 
 CAPACITY_MIN, CAPACITY_MAX = 0.25, 4.0
 KV_FREE = 0.7
@@ -112,3 +129,96 @@ class Damper:
 def ramp_weight(target: int, fraction: float) -> int:
     """The weight of a ramping node on a step (``fraction`` of its target), at least 1."""
     return max(1, round(target * fraction))
+
+
+def base_nginx_weight(base: int) -> int:
+    """nginx weight of a policy base weight (``base × WEIGHT_SCALE``)."""
+    return base * WEIGHT_SCALE
+
+
+def target_of(rec: NodeRecord, base: int) -> int:
+    """The weight ``rec`` serves at when active: its target, or ``base × WEIGHT_SCALE`` when it
+    has none or its base weight changed in the policy since (a stale stored target)."""
+    if rec.base_weight != base or not rec.target_weight:
+        return base_nginx_weight(base)
+    return rec.target_weight
+
+
+def node_weight(rec: NodeRecord | None, base: int, steps: list[float] | tuple[float, ...], fresh_fleet: bool) -> int:
+    """The nginx weight in force for a node: ``active`` its target, ``ramping`` the ramp step's
+    share of it (a step past the end is the last), every other state :data:`DOWN`. A node
+    without a record is ``joining`` (down), unless the fleet is fresh (no records at all: every
+    node at its base weight)."""
+    if rec is None:
+        return base_nginx_weight(base) if fresh_fleet else DOWN
+    target = target_of(rec, base)
+    if rec.state == st.ACTIVE:
+        return target
+    if rec.state == st.RAMPING:
+        step = rec.ramp.step if rec.ramp else 0
+        return ramp_weight(target, steps[min(step, len(steps) - 1)])
+    return DOWN
+
+
+def serving_weights(policy: Policy, applied: Mapping[str, int], records: Mapping[str, NodeRecord]) -> dict[str, int]:
+    """Node id → the nginx weight the node has when it serves: the weight in force
+    (``applied``), and for a node that is down (draining, drained, ejected, warming …) its
+    target weight, else its base weight. The ring of these weights defines a route key's *home
+    node* (the admin page's affinity ratio): a drain does not move the other nodes' homes."""
+    out = {}
+    for node in policy.nodes():
+        w = applied.get(node.id) or DOWN
+        if w <= DOWN:
+            rec = records.get(node.id)
+            w = (rec.target_weight if rec else None) or base_nginx_weight(node.weight)
+        out[node.id] = int(w)
+    return out
+
+
+def weights_step(records: Mapping[str, NodeRecord], pools: Mapping[str, PoolState],
+                 reports: Mapping[str, dict[str, Any]] | None, policy: Policy, now: float) -> list[Change]:
+    """Recompute every node's target weight: base × capacity × load (``weights.dynamic``) or
+    the base weight, damped (:class:`Damper`) except the first one after the base weight was set
+    or changed. ``reports``: the stored entries (``{"received_at", "report"}``), None when they
+    cannot be read: then only missing targets are set.
+
+    Returns :class:`Save` for every record whose target or computed weight changed, an event
+    ``weight`` per damped change, and :class:`SavePool` (memory only) with the pool's
+    ``last_weight_change`` when one of its nodes changed."""
+    cfg = policy.weights
+    out: list[Change] = []
+    if reports is None:
+        for rec in records.values():
+            if rec.target_weight is None:
+                out.append(Save(rec.evolve(target_weight=base_nginx_weight(rec.base_weight)), stored=False))
+        return out
+    damper = Damper(cfg)
+    for pool in policy.pools:
+        fresh = {n.id: fresh_report(reports.get(n.id), now, policy) for n in pool.nodes}
+        caps = capacities(fresh) if cfg.dynamic else {n.id: 1.0 for n in pool.nodes}
+        p = pools[pool.name]
+        changed: list[Change] = []
+        for node in pool.nodes:
+            rec = records[node.id]
+            base = rec.base_weight
+            if not cfg.dynamic:
+                computed = base_nginx_weight(base)
+            else:
+                computed = computed_weight(base, caps[node.id], load_factor(fresh[node.id], cfg))
+            current = rec.target_weight
+            if current is None:
+                new = rec.evolve(computed_weight=computed, target_weight=computed)
+            elif current != computed and damper.accept(current, computed, now, p.last_weight_change):
+                new = rec.evolve(computed_weight=computed, target_weight=computed, last_weight_change=now)
+                changed += [Save(new), event(EventKind.WEIGHT, f"{rec.id}: target weight {current} → {computed} "
+                                             "(capacity × load)", node=rec.id, pool=pool.name, old=current,
+                                             new=computed)]
+                continue
+            else:
+                new = rec.evolve(computed_weight=computed)
+            if new != rec:  # a figure of every round: stored with the record's next change
+                out.append(Save(new, stored=False))
+        out += changed
+        if changed:
+            out.append(SavePool(pool.name, p.evolve(last_weight_change=now), stored=False))
+    return out

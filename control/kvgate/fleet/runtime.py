@@ -1,0 +1,33 @@
+"""Node records and pool states → the gateway's :class:`~kvgate.render.Runtime` (weights, 0 =
+down; balancer switches; the cache namespace version)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from ..policy.model import Policy
+from ..render import Runtime
+from .records import NodeRecord, PoolState, node_records, pool_states
+from .weights import node_weight
+
+
+def runtime_for(policy: Policy, records: Mapping[str, NodeRecord | Mapping[str, Any]],
+                pools: Mapping[str, PoolState | Mapping[str, Any]], namespace_floor: int = 0) -> Runtime:
+    """The gateway runtime for node ``records`` and pool states (typed, or as stored in Redis).
+
+    ``active`` nodes get their target weight, ``ramping`` ones the ramp step's share of it,
+    every other state 0 (nginx ``down``); a node without a record is ``joining`` (0) unless
+    there are no records at all (a fresh fleet: every node at its base weight), see
+    :func:`kvgate.fleet.weights.node_weight`. Pools in overload degrade get ``least_conn``.
+    ``namespace_floor``: the highest cache namespace version ever in force; the runtime's is
+    the policy's unless that is lower.
+    """
+    recs = node_records(records)
+    weights = {node.id: node_weight(recs.get(node.id), node.weight, policy.ramp.steps, fresh_fleet=not recs)
+               for node in policy.nodes()}
+    balancers = {name: "least_conn" for name, p in pool_states(pools).items() if p.degraded}
+    runtime = Runtime(weights=weights, balancers=balancers)
+    if namespace_floor > policy.cache.namespace_version:
+        runtime = dataclasses.replace(runtime, namespace_version=namespace_floor)
+    return runtime
