@@ -17,7 +17,6 @@ local concat = table.concat
 local tostring = tostring
 local gsub = string.gsub
 local find = string.find
-local byte = string.byte
 local sub = string.sub
 local huge = math.huge
 
@@ -28,20 +27,33 @@ local ESC = { ["\\"] = "\\\\", [RS] = "\\x1e", [US] = "\\x1f" }
 local SPECIAL = "[\\\30\31]"
 
 local function esc(s)
+    -- most texts hold none of the three: three plain finds instead of gsub's byte-by-byte
+    -- class match
+    if not (find(s, "\\", 1, true) or find(s, RS, 1, true) or find(s, US, 1, true)) then
+        return s
+    end
     return (gsub(s, SPECIAL, ESC))
 end
 
--- #esc(s) without building it: "\\" grows by 1 byte, RS and US by 3
-local function escaped_len(s)
-    local n, pos = #s, 1
+-- occurrences of the byte c in s: plain find (memchr-fast in C), where a pattern's
+-- character class walks the string byte by byte in Lua's matcher (~9 ns a byte: 360 µs
+-- for a 40 KB message)
+local function count(s, c)
+    local n, pos = 0, 1
     while true do
-        local i = find(s, SPECIAL, pos)
+        local i = find(s, c, pos, true)
         if not i then
             return n
         end
-        n = n + (byte(s, i) == 92 and 1 or 3)
+        n = n + 1
         pos = i + 1
     end
+end
+
+-- #esc(s) without building it: "\\" grows by 1 byte, RS and US by 3. Runs over the whole
+-- text of a message that crosses the window (its end offset is exact, see canonical())
+local function escaped_len(s)
+    return #s + count(s, "\\") + 3 * (count(s, RS) + count(s, US))
 end
 
 -- esc(s) cut to `room` bytes, escaping at most `room` bytes of s: escaping only

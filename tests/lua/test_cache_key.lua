@@ -83,6 +83,21 @@ H.test("data cannot forge structure", function()
     H.eq(json.canonical(cjson.decode('{"x":1.0,"y":0.1}')), '{"x":1,"y":0.10000000000000001}')
 end)
 
+H.test("the digest form: data cannot forge structure; keys sorted; numbers as doubles", function()
+    local d = cache_key.digest_form
+    H.ne(d({ a = "x\",\"b\":\"y" }), d({ a = "x", b = "y" }))
+    H.ne(d({ a = "s1:x" }), d({ a = "x" }))
+    H.ne(d({ "1" }), d({ ["1"] = "1" }))
+    H.ne(d({ 1 }), d({ "1" }))
+    H.ne(d({ { 1, 2 }, 3 }), d({ { 1 }, 2, 3 }))
+    H.ne(d({ a = true }), d({ a = "t" }))
+    H.ne(d({ a = cjson.null }), d({ a = "z" }))
+    H.eq(d({ b = 1, a = { d = 2, c = { 3, 4 } } }), "o2:s1:ao2:s1:ca2:n3;n4;s1:dn2;s1:bn1;")
+    H.eq(d(cjson.decode('{"x":1.0,"y":0.1}')), d(cjson.decode('{"y":0.1,"x":1}')))
+    local long = string.rep("\"x\\\n", 100)
+    H.eq(d({ long }), "a1:s" .. #long .. ":" .. long, "long strings as they are")
+end)
+
 H.test("cacheability", function()
     local function c(t, cc) return (cache_key.cacheable(cjson.decode(t), "chat", cc)) end
     H.eq(c([[{"temperature":0,"messages":[]}]]), true)

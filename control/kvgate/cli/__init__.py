@@ -44,6 +44,7 @@ class _LazyGroup(click.Group):
     LAZY = {
         "sim": ("kvgate.sim.cli", "sim_command"),
         "replay": ("kvgate.bench.cli", "replay_command"),
+        "bench": ("kvgate.bench.gateway", "bench_command"),
         "agent": ("kvgate.agent.cli", "agent_command"),
         "control": ("kvgate.control.cli", "control_command"),
     }
