@@ -1,124 +1,206 @@
--- The Lua balancers of the pools whose upstream has a balancer_by_lua_block
--- (nginx/upstreams.conf.j2; today chash; round_robin and least_conn stay native nginx).
--- One module per balancer under kvgate/balancer/, behind one interface chosen by the
--- pool's `balancer` name (ingress-nginx's balancer.lua + balancer/*.lua):
---   impl.new(pool) -> instance | nil, err   (pool: a pool of kvgate.json)
---   impl.balance(instance)                  (balancer_by_lua, once per try)
--- Instances are built in init (the master: a bad kvgate.json fails the start or reload,
--- and workers inherit the built rings by fork), or at first use for a pool table that
--- appears later; never per request.
+-- The Lua balancer layer: every pool's upstream has a balancer_by_lua_block
+-- (nginx/upstreams.conf.j2) that calls balance(pool_name). One module per balancer under
+-- kvgate/balancer/, behind one interface chosen by the runtime's balancer name for the pool
+-- (ingress-nginx's balancer.lua + balancer/*.lua; the interface is in balancer/peers.lua):
+--   chash        the key's home on the ring of node ids, its next node on failover
+--   round_robin  nginx's smooth weighted round robin
+--   least_conn   fewest in flight per unit of weight (shared in-flight dict)
+-- Instances are built from the static pool (kvgate.json: ids, addresses) and the runtime
+-- (kvgate.config: balancer, weights): in init (the master: a bad config fails the start or
+-- reload, and workers inherit the built rings by fork), and again in each worker when a new
+-- runtime version arrives (config's sync timer calls rebuild), never per request. A pool
+-- whose part of the runtime did not change keeps its instance.
 local config = require "kvgate.config"
+local kvctx = require "kvgate.ctx"
+local peers = require "kvgate.balancer.peers"
+local inflight = require "kvgate.inflight"
 
 local ngx = ngx
 local pairs = pairs
 local match = string.match
-local setmetatable = setmetatable
 local tostring = tostring
 
 local _M = {}
 
 _M.IMPLEMENTATIONS = {
     chash = require "kvgate.balancer.chash",
+    round_robin = require "kvgate.balancer.round_robin",
+    least_conn = require "kvgate.balancer.least_conn",
 }
-
--- pool table (of the loaded config) -> instance; weak keys: a replaced config frees its rings
--- ngx_http_upstream_get_peer's NGX_BUSY: "no live upstreams", a 502
-local NGX_BUSY = -3
-
-local instances = setmetatable({}, { __mode = "k" })
-
---- uses_lua(pool) -> true when the pool's upstream is balanced here
-function _M.uses_lua(pool)
-    return _M.IMPLEMENTATIONS[pool.balancer] ~= nil
+for name in pairs(config.BALANCERS) do
+    assert(_M.IMPLEMENTATIONS[name], "kvgate.config.BALANCERS names " .. name .. ", no module has it")
 end
 
-local function instance(pool)
-    local b = instances[pool]
-    if b then
-        return b
-    end
-    local impl = _M.IMPLEMENTATIONS[pool.balancer]
-    if not impl then
-        return nil, "no Lua balancer named " .. tostring(pool.balancer)
-    end
-    local err
-    b, err = impl.new(pool)
-    if not b then
-        return nil, err
-    end
-    b.impl = impl
-    instances[pool] = b
-    return b
+local NGX_BUSY = peers.NGX_BUSY
+
+local instances = {} -- pool name -> instance (this worker; b.impl, b.prt)
+
+--- uses_lua(pool) -> true: every pool is balanced here
+function _M.uses_lua()
+    return true
 end
 
---- init(cfg) -> true | nil, err: build the instance of every pool balanced here, and
--- forget the failure marks of the previous config (impl.forget): a reload started nginx's
--- own fail counts afresh too, and a node coming back (a ramp step is a reload) must not be
--- skipped for what it did before it left
-function _M.init(cfg)
-    for name, pool in pairs(cfg.pools) do
-        if _M.uses_lua(pool) then
-            local b, err = instance(pool)
-            if not b then
-                return nil, "pool " .. name .. ": " .. err
-            end
-            if b.impl.forget then
-                b.impl.forget(b)
-            end
+-- same(a, b) -> true when two pool runtimes route alike (balancer and every weight)
+local function same(a, b)
+    if not a or not b or a.balancer ~= b.balancer then
+        return false
+    end
+    for id, n in pairs(a.nodes) do
+        local m = b.nodes[id]
+        if not m or m.weight ~= n.weight then
+            return false
+        end
+    end
+    for id in pairs(b.nodes) do
+        if not a.nodes[id] then
+            return false
         end
     end
     return true
 end
 
-local function refresh()
-    for _, b in pairs(instances) do
-        if b.impl.refresh then
-            b.impl.refresh(b)
+-- build(name, pool, prt) -> instance | nil, err
+local function build(name, pool, prt)
+    local impl = _M.IMPLEMENTATIONS[prt and prt.balancer or pool.balancer]
+    if not impl then
+        return nil, "no Lua balancer named " .. tostring(prt and prt.balancer or pool.balancer)
+    end
+    local prev = instances[name]
+    local b, err = impl.new(pool, prt, prev and prev.impl == impl and prev or nil)
+    if not b then
+        return nil, err
+    end
+    b.impl = impl
+    b.prt = prt
+    instances[name] = b
+    return b
+end
+
+--- rebuild(new, old) -> true | nil, err: the instances of the pools whose balancer or
+-- weights changed in runtime `new` (config.on_runtime listener); nodes that come back into
+-- service (weight 0 -> > 0) forget their failure marks, as a reload's fresh workers did
+function _M.rebuild(new)
+    local cfg = config.get()
+    for name, pool in pairs(cfg.pools) do
+        local prt = new.pools[name]
+        local prev = instances[name]
+        if not prev or not same(prev.prt, prt) then
+            local back
+            if prev and prev.prt and prt then
+                for id, n in pairs(prt.nodes) do
+                    local was = prev.prt.nodes[id]
+                    if n.weight > 0 and was and was.weight <= 0 then
+                        back = back or {}
+                        back[id] = true
+                    end
+                end
+            end
+            local b, err = build(name, pool, prt)
+            if not b then
+                return nil, "pool " .. name .. ": " .. err
+            end
+            if back then
+                peers.forget(b, back)
+            end
+        else
+            prev.prt = prt
         end
+    end
+    return true
+end
+
+--- init(cfg) -> true | nil, err: init_by_lua (master), after config.init(): the instance of
+-- every pool from the runtime in force, and the failure marks of the previous config
+-- forgotten (a reload started nginx's own fail counts afresh too)
+function _M.init(cfg)
+    instances = {}
+    local rt = config.runtime()
+    for name, pool in pairs(cfg.pools) do
+        local b, err = build(name, pool, rt and rt.pools[name])
+        if not b then
+            return nil, "pool " .. name .. ": " .. err
+        end
+        peers.forget(b)
+    end
+    config.on_runtime(_M.rebuild)
+    return true
+end
+
+local function refresh(premature)
+    if premature then
+        return
+    end
+    for _, b in pairs(instances) do
+        peers.refresh(b)
     end
 end
 
---- init_worker(): per worker, the timer that refreshes each instance's shared state
--- (chash: the failure marks of the other workers, every chash.REFRESH_S)
+--- init_worker(): per worker, the timer that refreshes each instance's view of the failure
+-- marks of the other workers (every peers.REFRESH_S)
 function _M.init_worker()
-    local ok, err = ngx.timer.every(_M.IMPLEMENTATIONS.chash.REFRESH_S, refresh)
+    local ok, err = ngx.timer.every(peers.REFRESH_S, refresh)
     if not ok then
         ngx.log(ngx.ERR, "kvgate balancer: cannot start the refresh timer: ", err)
     end
 end
 
---- balance(pool_name): the balancer_by_lua_block of upstream pool_<pool_name>
-function _M.balance(pool_name)
+--- instance(pool_name) -> this worker's instance for the pool | nil, err
+function _M.instance(pool_name)
+    local b = instances[pool_name]
+    if b then
+        return b
+    end
     local cfg = config.get()
     local pool = cfg and cfg.pools[pool_name]
     if not pool then
-        ngx.log(ngx.ERR, "kvgate balancer: no pool ", pool_name, " in the config")
-        return ngx.exit(NGX_BUSY)
+        return nil, "no pool " .. tostring(pool_name) .. " in the config"
     end
-    local b, err = instance(pool)
+    local rt = config.runtime()
+    return build(pool_name, pool, rt and rt.pools[pool_name])
+end
+
+--- balance(pool_name): the balancer_by_lua_block of upstream pool_<pool_name>
+function _M.balance(pool_name)
+    local b = instances[pool_name]
     if not b then
-        ngx.log(ngx.ERR, "kvgate balancer: pool ", pool_name, ": ", err)
-        return ngx.exit(NGX_BUSY)
+        local err
+        b, err = _M.instance(pool_name)
+        if not b then
+            ngx.log(ngx.ERR, "kvgate balancer: pool ", pool_name, ": ", err)
+            return ngx.exit(NGX_BUSY)
+        end
     end
-    return b.impl.balance(b)
+    return peers.balance(b.impl, b)
 end
 
 --- failed_last(upstream, addr): the last try of a request failed and nginx answers itself
--- (every try failed: @kvgate_upstream_error); no retry calls the balancer to record it,
--- so the node of the last address of $upstream_addr is marked failed here
+-- (every try failed: @kvgate_upstream_error); no retry calls the balancer to record it, so
+-- the node of the last address of $upstream_addr is marked failed here, and the request's
+-- in-flight count released (from the restored context, or by that node when the internal
+-- redirect dropped the context)
 function _M.failed_last(upstream, addr)
     local cfg = config.get()
     local name = cfg and cfg.upstream_pools[upstream or ""]
-    local pool = name and cfg.pools[name]
-    if not pool or not _M.uses_lua(pool) or not addr then
+    local restored = kvctx.restore()
+    local counted = restored ~= nil and restored.log.inflight ~= nil
+    if counted then
+        inflight.finish(restored.log)
+    end
+    if not name or not addr then
         return
     end
     local last = match(addr, "([^%s,]+)$")
     local id = last and cfg.nodes_by_addr[last]
-    local b = id and instance(pool)
-    local node = b and b.impl.node(b, id)
+    if not id then
+        return
+    end
+    if not counted and not (restored and restored.balancer.try) then
+        inflight.release(name, id)
+    end
+    local b = _M.instance(name)
+    local node = b and peers.node(b, id)
     if node then
-        b.impl.mark_failed(b, node)
+        peers.mark_failed(b, node)
     end
 end
 

@@ -16,6 +16,7 @@ local cache_key = require "kvgate.cache_key"
 local sse = require "kvgate.sse"
 local kredis = require "kvgate.redis"
 local metrics = require "kvgate.metrics"
+local config = require "kvgate.config"
 
 local ngx = ngx
 local type = type
@@ -70,7 +71,10 @@ function _M.lookup(cfg, ctx, req, endpoint, headers)
         ngx.var.args)
     local key
     if cred then
-        key, kerr = cache_key.key(req, endpoint, cfg.tenant, ccfg.namespace_version, cred)
+        -- the namespace version in force is the runtime's (pushed without a reload)
+        local rt = config.runtime()
+        key, kerr = cache_key.key(req, endpoint, cfg.tenant, rt and rt.cache.namespace_version
+            or ccfg.namespace_version, cred)
     end
     if not key then
         cache_error("key", kerr)

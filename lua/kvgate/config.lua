@@ -1,15 +1,60 @@
--- The data-path config (conf/kvgate.json, rendered by kvgate.render). Read once in
--- init_by_lua, in the master (root), so workers (nobody) inherit it by fork and
--- never touch the file system.
+-- The data path's two configs.
+--
+-- Static: conf/kvgate.json (rendered by kvgate.render): listeners' facts, pools and their
+-- node ids and addresses, models, cache, Redis. Read once in init_by_lua, in the master
+-- (root), so workers (nobody) inherit it by fork and never touch the file system. get().
+--
+-- Dynamic (the runtime): per pool its balancer and per node its weight and state, and the
+-- cache namespace version; the control plane pushes it to POST /kvgate/config on the
+-- internal listener (kvgate.config_api) without a reload (ingress-nginx's configuration.lua).
+-- It lives in lua_shared_dict kvgate_config:
+--   version  number: +1 per accepted push and per (re)load
+--   doc      "<version> <digest> <body>": the runtime in force (one key: read atomically)
+--   loads    number: init_by_lua runs (starts and reloads), the proof that a push reloaded nothing
+-- init() (master) seeds it from <prefix>/conf/runtime.json (written by the control plane before
+-- every start and reload) or, without that file, from kvgate.json's weights and balancers, so
+-- a gateway serves the current runtime from its first request. Every worker reads the dict's
+-- version every SYNC_S (init_worker's timer) and, when it changed, decodes the runtime and
+-- calls the listeners (kvgate.balancer rebuilds the pools' instances). runtime() is this
+-- worker's decoded runtime; never a dict read per request.
 local cjson = require "cjson.safe"
+local json = require "kvgate.json"
+local hash = require "kvgate.hash"
+local metrics = require "kvgate.metrics"
 
+local ngx = ngx
 local io_open = io.open
 local type = type
 local pairs = pairs
+local ipairs = ipairs
+local tostring = tostring
+local tonumber = tonumber
+local floor = math.floor
+local sort = table.sort
+local match = string.match
 
 local _M = {}
 
-local current
+_M.DICT = "kvgate_config"
+_M.SYNC_S = 0.2
+-- the balancer names a runtime may give a pool (kvgate.balancer.IMPLEMENTATIONS)
+_M.BALANCERS = { chash = true, round_robin = true, least_conn = true }
+-- the largest nginx-scale weight a push may carry: policy base 10 × WEIGHT_SCALE 100 ×
+-- capacity 4 is 4000; a chash node has 160 points per unit, so this bounds a ring's memory
+_M.MAX_WEIGHT = 10000
+_M.MAX_NAMESPACE = 2 ^ 53
+
+-- the families this module and kvgate.config_api write (rendered by kvgate.metrics)
+metrics.FAMILIES.kvgate_config_version = { "gauge",
+    "Version of the runtime in force (+1 per accepted POST /kvgate/config and per start or reload)." }
+metrics.FAMILIES.kvgate_gateway_config_loads = { "gauge",
+    "Config loads (init_by_lua runs: starts and reloads) since the shared dicts were created; a push leaves it unchanged." }
+metrics.FAMILIES.kvgate_config_pushes_total = { "counter",
+    "POST /kvgate/config calls, by result (ok, invalid, unauthorized, forbidden, error)." }
+
+local current -- the static config (kvgate.json)
+local rt -- this worker's runtime: {version, digest, pools = {[name] = {balancer, nodes}}, cache}
+local listeners = {}
 
 --- path() -> <prefix>/conf/kvgate.json
 -- Note: `nginx -t` does not run init_by_lua, so a bad file shows up at start or
@@ -18,15 +63,28 @@ function _M.path()
     return ngx.config.prefix() .. "conf/kvgate.json"
 end
 
---- load(path) -> cfg | nil, err
-function _M.load(path)
-    path = path or _M.path()
+--- runtime_path() -> <prefix>/conf/runtime.json (a POST body's shape; optional)
+function _M.runtime_path()
+    return ngx.config.prefix() .. "conf/runtime.json"
+end
+
+local function read(path)
     local f, err = io_open(path, "rb")
     if not f then
         return nil, "cannot open " .. path .. ": " .. (err or "?")
     end
     local text = f:read("*a")
     f:close()
+    return text
+end
+
+--- load(path) -> cfg | nil, err
+function _M.load(path)
+    path = path or _M.path()
+    local text, rerr = read(path)
+    if not text then
+        return nil, rerr
+    end
     local cfg, derr = cjson.decode(text)
     if type(cfg) ~= "table" then
         return nil, "bad JSON in " .. path .. ": " .. (derr or "not an object")
@@ -34,7 +92,8 @@ function _M.load(path)
     if type(cfg.pools) ~= "table" or type(cfg.models) ~= "table" then
         return nil, path .. ": missing pools/models"
     end
-    -- per-pool facts the access phase needs on every request, derived once here
+    -- per-pool facts the access phase needs on every request, derived once here (and
+    -- again from each new runtime: apply_runtime)
     for _, pool in pairs(cfg.pools) do
         if type(pool) ~= "table" or type(pool.affinity) ~= "table" then
             return nil, path .. ": a pool has no affinity list"
@@ -61,9 +120,347 @@ function _M.load(path)
     return cfg
 end
 
---- get() -> the loaded config (nil before init)
+--- get() -> the loaded static config (nil before init)
 function _M.get()
     return current
+end
+
+--- runtime() -> this worker's runtime (nil before init):
+-- {version = N, digest = hex, pools = {[name] = {balancer = "chash"|"round_robin"|"least_conn",
+--  nodes = {[id] = {weight = W, state = S}}}}, cache = {namespace_version = N}}
+function _M.runtime()
+    return rt
+end
+
+-- ---------------------------------------------------------------- validation (pure)
+local function sorted_keys(t)
+    local keys = {}
+    for k in pairs(t) do
+        keys[#keys + 1] = tostring(k)
+    end
+    sort(keys)
+    return keys
+end
+
+local function is_object(v)
+    return type(v) == "table" and v ~= cjson.null
+end
+
+local function is_int(v, max)
+    return type(v) == "number" and v >= 0 and v <= max and floor(v) == v
+end
+
+-- only(t, allowed, at) -> nil | message, param: t has no key outside `allowed`
+local function only(t, allowed, at)
+    for _, k in ipairs(sorted_keys(t)) do
+        if not allowed[k] then
+            return "unknown field " .. k, at .. k
+        end
+    end
+    return nil
+end
+
+--- check_runtime(doc, cfg) -> true | nil, message, param
+-- doc: a decoded POST body (or runtime.json); cfg: the static config. Every pool and node of
+-- cfg must be present, and nothing else: {pools = {[pool] = {balancer = <known name>,
+-- nodes = {[id] = {weight = <integer 0..MAX_WEIGHT>, state = <non-empty string>}}}},
+-- cache = {namespace_version = <integer >= 0>}}. param: the path of the first bad field
+-- (keys in sorted order), e.g. "pools.p1.nodes.n2.weight"; a pool added or removed is a
+-- structural change (a reload), never a push.
+function _M.check_runtime(doc, cfg)
+    if not is_object(doc) then
+        return nil, "the runtime must be a JSON object", nil
+    end
+    local msg, param = only(doc, { pools = true, cache = true }, "")
+    if msg then
+        return nil, msg, param
+    end
+    local pools = doc.pools
+    if not is_object(pools) then
+        return nil, "pools must be an object of every pool", "pools"
+    end
+    for _, name in ipairs(sorted_keys(pools)) do
+        if not cfg.pools[name] then
+            return nil, "no pool " .. name .. " in the gateway's config (adding a pool needs a reload)",
+                "pools." .. name
+        end
+    end
+    for _, name in ipairs(sorted_keys(cfg.pools)) do
+        local at = "pools." .. name
+        local p = pools[name]
+        if p == nil then
+            return nil, "pool " .. name .. " is missing (removing a pool needs a reload)", at
+        end
+        if not is_object(p) then
+            return nil, at .. " must be an object", at
+        end
+        msg, param = only(p, { balancer = true, nodes = true }, at .. ".")
+        if msg then
+            return nil, msg, param
+        end
+        if type(p.balancer) ~= "string" or not _M.BALANCERS[p.balancer] then
+            return nil, at .. ".balancer must be one of chash, least_conn, round_robin", at .. ".balancer"
+        end
+        local nodes = p.nodes
+        if not is_object(nodes) then
+            return nil, at .. ".nodes must be an object of every node of the pool", at .. ".nodes"
+        end
+        local ids = {}
+        for _, n in ipairs(cfg.pools[name].nodes or {}) do
+            ids[tostring(n.id)] = true
+        end
+        for _, id in ipairs(sorted_keys(nodes)) do
+            if not ids[id] then
+                return nil, "no node " .. id .. " in pool " .. name .. " (adding a node needs a reload)",
+                    at .. ".nodes." .. id
+            end
+        end
+        for _, id in ipairs(sorted_keys(ids)) do
+            local nat = at .. ".nodes." .. id
+            local n = nodes[id]
+            if n == nil then
+                return nil, "node " .. id .. " is missing (removing a node needs a reload)", nat
+            end
+            if not is_object(n) then
+                return nil, nat .. " must be an object", nat
+            end
+            msg, param = only(n, { weight = true, state = true }, nat .. ".")
+            if msg then
+                return nil, msg, param
+            end
+            if not is_int(n.weight, _M.MAX_WEIGHT) then
+                return nil, nat .. ".weight must be an integer from 0 to " .. _M.MAX_WEIGHT, nat .. ".weight"
+            end
+            if type(n.state) ~= "string" or n.state == "" then
+                return nil, nat .. ".state must be a non-empty string", nat .. ".state"
+            end
+        end
+    end
+    local cache = doc.cache
+    if not is_object(cache) then
+        return nil, "cache must be an object with namespace_version", "cache"
+    end
+    msg, param = only(cache, { namespace_version = true }, "cache.")
+    if msg then
+        return nil, msg, param
+    end
+    if not is_int(cache.namespace_version, _M.MAX_NAMESPACE) then
+        return nil, "cache.namespace_version must be an integer >= 0", "cache.namespace_version"
+    end
+    return true
+end
+
+--- base_runtime(cfg) -> runtime document from kvgate.json alone: each pool's balancer, each
+-- node's weight (0 = not taking traffic) and state, the cache namespace version
+function _M.base_runtime(cfg)
+    local pools = {}
+    for name, pool in pairs(cfg.pools) do
+        local nodes = {}
+        for _, n in ipairs(pool.nodes or {}) do
+            local w = tonumber(n.base_weight or n.weight) or 0
+            nodes[tostring(n.id)] = { weight = w, state = n.state or (w > 0 and "active" or "down") }
+        end
+        pools[name] = { balancer = pool.base_balancer or pool.balancer, nodes = nodes }
+    end
+    return { pools = pools, cache = { namespace_version = tonumber(cfg.cache.namespace_version) or 0 } }
+end
+
+-- ---------------------------------------------------------------- the shared dict
+local function dict()
+    return ngx.shared[_M.DICT]
+end
+
+--- parse_doc(s) -> version, digest, body | nil
+function _M.parse_doc(s)
+    if type(s) ~= "string" then
+        return nil
+    end
+    local v, digest, body = match(s, "^(%d+) (%x+) (.*)$")
+    if not v then
+        return nil
+    end
+    return tonumber(v), digest, body
+end
+
+local function gauges(d, version, loads)
+    local m = ngx.shared.kvgate_metrics
+    if not m then
+        return
+    end
+    if version then
+        m:set("kvgate_config_version", version)
+    end
+    if loads then
+        m:set("kvgate_gateway_config_loads", loads)
+    end
+end
+
+--- store(body) -> version, digest | nil, err: body (JSON text, already checked) becomes the
+-- runtime in force with version + 1. The caller holds the write lock (lock()/unlock()) or is
+-- the master in init.
+function _M.store(body)
+    local d = dict()
+    if not d then
+        return nil, "no lua_shared_dict " .. _M.DICT
+    end
+    local digest, herr = hash.sha256_hex(body)
+    if not digest then
+        return nil, herr
+    end
+    local version = (tonumber(d:get("version")) or 0) + 1
+    -- doc first, then version: a reader that sees the new version reads the new doc
+    local ok, err = d:set("doc", version .. " " .. digest .. " " .. body)
+    if not ok then
+        return nil, "cannot store the runtime: " .. tostring(err)
+    end
+    d:set("version", version)
+    gauges(d, version, nil)
+    return version, digest
+end
+
+--- lock() -> true | nil, err: the writers' lock (one push at a time, all workers); waits
+-- up to 2 s (content phase only: it sleeps)
+function _M.lock()
+    local d = dict()
+    if not d then
+        return nil, "no lua_shared_dict " .. _M.DICT
+    end
+    for _ = 1, 2000 do
+        if d:add("lock", true, 5) then
+            return true
+        end
+        ngx.sleep(0.001)
+    end
+    return nil, "another push holds the lock"
+end
+
+function _M.unlock()
+    local d = dict()
+    if d then
+        d:delete("lock")
+    end
+end
+
+--- stored() -> {version, digest, body, loads} of the runtime in force (from the dict)
+function _M.stored()
+    local d = dict()
+    if not d then
+        return nil
+    end
+    local v, digest, body = _M.parse_doc(d:get("doc"))
+    if not v then
+        return nil
+    end
+    return { version = v, digest = digest, body = body, loads = tonumber(d:get("loads")) or 0 }
+end
+
+-- ---------------------------------------------------------------- this worker's runtime
+--- on_runtime(fn): fn(new, old) after each runtime change in this worker (old nil the first
+-- time); also in init (the master), where errors returned by fn fail the start or reload
+function _M.on_runtime(fn)
+    listeners[#listeners + 1] = fn
+end
+
+-- apply(doc, version, digest) -> true | nil, err: make doc (checked) this worker's runtime;
+-- derived per-pool facts follow its balancer
+local function apply(doc, version, digest)
+    local new = { version = version, digest = digest, pools = doc.pools, cache = doc.cache }
+    local old = rt
+    rt = new
+    for name, pool in pairs(current.pools) do
+        local p = new.pools[name]
+        pool.hashes_key = p ~= nil and p.balancer == "chash"
+    end
+    for i = 1, #listeners do
+        local ok, err = listeners[i](new, old)
+        if ok == nil and err then
+            return nil, err
+        end
+    end
+    return true
+end
+
+--- sync(): this worker picks up a new version from the dict (timer; cheap when unchanged)
+function _M.sync()
+    local d = dict()
+    local v = d and d:get("version")
+    if not v or (rt and v == rt.version) then
+        return
+    end
+    local version, digest, body = _M.parse_doc(d:get("doc"))
+    if not version or (rt and version == rt.version) then
+        return
+    end
+    local doc = cjson.decode(body)
+    local ok, msg, param = _M.check_runtime(doc, current)
+    if not ok then
+        -- the writer checked it; a dict written by another kvgate version would land here
+        ngx.log(ngx.ERR, "kvgate config: runtime version ", version, " refused: ", msg, " (", param, ")")
+        return
+    end
+    local aok, aerr = apply(doc, version, digest)
+    if not aok then
+        ngx.log(ngx.ERR, "kvgate config: runtime version ", version, ": ", aerr)
+    end
+end
+
+--- init() -> cfg | nil, err: init_by_lua (master): load kvgate.json, seed the runtime from
+-- conf/runtime.json (or kvgate.json alone), count the load, and make it this process's runtime
+-- (workers inherit it by fork). A bad runtime.json fails the start or reload.
+function _M.init()
+    local cfg, err = _M.load()
+    if not cfg then
+        return nil, err
+    end
+    local d = dict()
+    if not d then
+        return nil, "no lua_shared_dict " .. _M.DICT .. " in nginx.conf"
+    end
+    local rpath = _M.runtime_path()
+    local body = read(rpath)
+    local source = body and rpath or "kvgate.json (no runtime.json)"
+    local doc
+    if body then
+        local derr
+        doc, derr = cjson.decode(body)
+        if doc == nil then
+            return nil, "bad JSON in " .. rpath .. ": " .. tostring(derr)
+        end
+    else
+        doc = _M.base_runtime(cfg)
+        body = json.canonical(doc)
+    end
+    local ok, msg, param = _M.check_runtime(doc, cfg)
+    if not ok then
+        return nil, source .. ": " .. msg .. (param and " (" .. param .. ")" or "")
+    end
+    local version, digest = _M.store(body)
+    if not version then
+        return nil, digest
+    end
+    local loads = d:incr("loads", 1, 0)
+    gauges(d, version, loads)
+    local aok, aerr = apply(doc, version, digest)
+    if not aok then
+        return nil, aerr
+    end
+    -- preloaded here, in the master: workers (nobody) may not read the Lua folder
+    require "kvgate.config_api"
+    return cfg
+end
+
+--- init_worker(): this worker's sync timer (every SYNC_S)
+function _M.init_worker()
+    local ok, err = ngx.timer.every(_M.SYNC_S, function(premature)
+        if not premature then
+            _M.sync()
+        end
+    end)
+    if not ok then
+        ngx.log(ngx.ERR, "kvgate config: cannot start the sync timer: ", err)
+    end
+    -- a push between the fork and this timer's first run is picked up at once
+    _M.sync()
 end
 
 return _M

@@ -60,7 +60,7 @@ local hot -- per worker: the completions shared-prefix detector (hot_prefix.lua)
 
 --- init(): init_by_lua (master, root): read kvgate.json; fail nginx start/-t if bad
 function _M.init()
-    local cfg, err = config.load()
+    local cfg, err = config.init() -- kvgate.json + the runtime (runtime.json or its defaults)
     if not cfg then
         -- init_by_lua is the one place an error is wanted: nginx refuses the config
         error("kvgate: " .. err)
@@ -77,6 +77,7 @@ function _M.init_worker()
     seen = lrucache.new(SEEN_ITEMS)
     hot = hot_prefix.new()
     reqlog.start()
+    config.init_worker() -- the runtime's sync timer (every 0.2 s)
     balancer.init_worker()
     shutdown.start()
 end

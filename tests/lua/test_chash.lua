@@ -120,7 +120,7 @@ H.test("a key goes to its home; a down node is skipped, its keys go to the next 
         if home ~= "n4" then
             H.eq(got, home, key)
         end
-        H.eq(ngx.ctx.balancer.home, home)
+        H.eq(ngx.ctx.kvgate.balancer.home, home)
         -- nginx's own tries (servers not down, capped by proxy_next_upstream_tries): none asked for
         H.eq(B.more, nil)
     end
@@ -205,7 +205,7 @@ H.test("an empty key: smooth weighted round robin over the nodes up", function()
     H.eq(counts.n2, 30)
     H.eq(counts.n3, 10)
     H.eq(counts.n4, nil)
-    H.eq(ngx.ctx.balancer.point, nil)
+    H.eq(ngx.ctx.kvgate.balancer.point, nil)
     -- the retry goes to another node
     local tried = request(b, "", { "failed" })
     H.ne(tried[1], tried[2])

@@ -45,4 +45,87 @@ H.test("a config rendered by an older kvgate is refused, naming what is missing"
     H.truthy(err:find("credential_headers", 1, true), err)
 end)
 
+-- ---------------------------------------------------------------- the runtime (dynamic config)
+local function static()
+    return {
+        pools = {
+            p1 = { balancer = "chash", nodes = { { id = "n1", weight = 100 }, { id = "n2", weight = 0 } } },
+            p2 = { balancer = "round_robin", nodes = { { id = "m1", weight = 200 } } },
+        },
+        cache = { namespace_version = 3 },
+    }
+end
+
+local function doc()
+    return {
+        pools = {
+            p1 = { balancer = "chash", nodes = { n1 = { weight = 100, state = "active" },
+                                                 n2 = { weight = 0, state = "drained" } } },
+            p2 = { balancer = "least_conn", nodes = { m1 = { weight = 50, state = "ramping" } } },
+        },
+        cache = { namespace_version = 4 },
+    }
+end
+
+H.test("a runtime naming every pool and node of kvgate.json passes", function()
+    H.eq(config.check_runtime(doc(), static()), true)
+end)
+
+H.test("a bad runtime is refused at the path of its first bad field", function()
+    local cases = {
+        { function(d) d.tenants = {} end, "tenants" },
+        { function(d) d.pools = "x" end, "pools" },
+        { function(d) d.pools.p3 = d.pools.p2 end, "pools.p3" },
+        { function(d) d.pools.p2 = nil end, "pools.p2" },
+        { function(d) d.pools.p1.balancer = "random" end, "pools.p1.balancer" },
+        { function(d) d.pools.p1.balancer = nil end, "pools.p1.balancer" },
+        { function(d) d.pools.p1.extra = 1 end, "pools.p1.extra" },
+        { function(d) d.pools.p1.nodes = nil end, "pools.p1.nodes" },
+        { function(d) d.pools.p1.nodes.n3 = { weight = 1, state = "active" } end, "pools.p1.nodes.n3" },
+        { function(d) d.pools.p1.nodes.n2 = nil end, "pools.p1.nodes.n2" },
+        { function(d) d.pools.p1.nodes.n2.weight = -1 end, "pools.p1.nodes.n2.weight" },
+        { function(d) d.pools.p1.nodes.n2.weight = 1.5 end, "pools.p1.nodes.n2.weight" },
+        { function(d) d.pools.p1.nodes.n2.weight = "100" end, "pools.p1.nodes.n2.weight" },
+        { function(d) d.pools.p1.nodes.n2.weight = config.MAX_WEIGHT + 1 end, "pools.p1.nodes.n2.weight" },
+        { function(d) d.pools.p1.nodes.n2.weight = nil end, "pools.p1.nodes.n2.weight" },
+        { function(d) d.pools.p1.nodes.n2.state = "" end, "pools.p1.nodes.n2.state" },
+        { function(d) d.pools.p1.nodes.n2.port = 1 end, "pools.p1.nodes.n2.port" },
+        { function(d) d.cache = nil end, "cache" },
+        { function(d) d.cache.namespace_version = 1.5 end, "cache.namespace_version" },
+        { function(d) d.cache.namespace_version = true end, "cache.namespace_version" },
+        { function(d) d.cache.ttl_s = 5 end, "cache.ttl_s" },
+    }
+    for i, c in ipairs(cases) do
+        local d = doc()
+        c[1](d)
+        local ok, msg, param = config.check_runtime(d, static())
+        H.eq(ok, nil, "case " .. i)
+        H.eq(param, c[2], "case " .. i .. " (" .. tostring(msg) .. ")")
+        H.truthy(type(msg) == "string" and #msg > 0)
+    end
+    local ok, _, param = config.check_runtime("x", static())
+    H.eq(ok, nil)
+    H.eq(param, nil)
+end)
+
+H.test("without runtime.json the runtime is kvgate.json's balancers, weights and namespace", function()
+    local d = config.base_runtime(static())
+    H.eq(config.check_runtime(d, static()), true)
+    H.eq(d.pools.p1.balancer, "chash")
+    H.eq(d.pools.p1.nodes.n1.weight, 100)
+    H.eq(d.pools.p1.nodes.n2.weight, 0)
+    H.eq(d.pools.p1.nodes.n2.state, "down")
+    H.eq(d.pools.p2.balancer, "round_robin")
+    H.eq(d.cache.namespace_version, 3)
+end)
+
+H.test("the stored doc is one string: version, digest, body", function()
+    local v, digest, body = config.parse_doc("12 abcdef0123 {\"pools\": {}}")
+    H.eq(v, 12)
+    H.eq(digest, "abcdef0123")
+    H.eq(body, '{"pools": {}}')
+    H.eq(config.parse_doc("x"), nil)
+    H.eq(config.parse_doc(nil), nil)
+end)
+
 H.done()

@@ -1,0 +1,278 @@
+-- What the three balancers share: a pool's nodes as the runtime weighs them, the passive
+-- failure marks (shared by every worker), nginx's smooth weighted round robin, and the
+-- try logic of balancer_by_lua (tries, failover once, the in-flight count, kctx.balancer).
+--
+-- A balancer module (kvgate.balancer.chash, round_robin, least_conn) is
+--   impl.NAME
+--   impl.new(pool, prt, prev) -> instance | nil, err
+--       pool: the pool of kvgate.json (name, nodes = {{id, address, peer}}); prt: the pool's
+--       part of the runtime ({balancer, nodes = {[id] = {weight, state}}}; nil: the weights of
+--       kvgate.json); prev: the instance it replaces (nil at first), for state worth keeping
+--   impl.start(b, st, kctx)            first try of a request: read what pick needs (chash: the key)
+--   impl.pick(b, st, tried) -> node, home | nil
+--       tried: node id -> true (nil on the first try); home: the key's home node (chash)
+-- and peers.balance(impl, b) runs one try with it.
+--
+-- Failures: balancer_by_lua has no max_fails, so a try that failed (error, timeout, 502,
+-- 503: get_last_failure() = "failed") marks its node in the shared dict kvgate_state for
+-- FAIL_TIMEOUT_S; marked nodes are skipped by every worker unless every node is marked (then
+-- they are tried again, as nginx resets its fail counts when all peers failed). A worker
+-- sees its own marks at once and the others' within REFRESH_S (refresh(), on a timer): a
+-- shared-dict read per request would cost more than the rest of the balancer.
+--
+-- Tries: nginx gives a request as many tries as its upstream has server lines (the round
+-- robin init of ngx_http_lua_balancer_init_peer), capped by proxy_next_upstream_tries 2.
+-- The server lines carry no weight or `down` any more (weights are runtime), so on the
+-- first try of a pool with one node taking traffic the balancer takes the retry away
+-- (set_more_tries(1 - servers)): that node's own 502/503 then reaches the client, as with
+-- nginx's native balancers, instead of a retry with no node left ("no live upstreams").
+local ngx_balancer = require "ngx.balancer"
+local kvctx = require "kvgate.ctx"
+local inflight = require "kvgate.inflight"
+
+local ngx = ngx
+local shared = ngx.shared
+local set_current_peer = ngx_balancer.set_current_peer
+local set_more_tries = ngx_balancer.set_more_tries
+local get_last_failure = ngx_balancer.get_last_failure
+local ipairs = ipairs
+local type = type
+local tonumber = tonumber
+local tostring = tostring
+local match = string.match
+local sub = string.sub
+local lower = string.lower
+
+local _M = {}
+
+_M.FAIL_TIMEOUT_S = 10
+_M.FAIL_PREFIX = "fail:"
+_M.REFRESH_S = 0.2
+
+local DICT = "kvgate_state"
+-- ngx_http_upstream_get_peer's NGX_BUSY: nginx logs "no live upstreams" and answers 502
+local NGX_BUSY = -3
+_M.NGX_BUSY = NGX_BUSY
+
+--- parse_peer(address) -> host, port | nil, err
+-- "IP:PORT", "[IPv6]:PORT" (what set_current_peer wants: no name resolution in a
+-- request) or "unix:/path" (port nil)
+function _M.parse_peer(addr)
+    if type(addr) ~= "string" or addr == "" then
+        return nil, "no address"
+    end
+    if lower(sub(addr, 1, 5)) == "unix:" then
+        if #addr == 5 then
+            return nil, "unix: without a path"
+        end
+        return addr, nil
+    end
+    local host, digits = match(addr, "^(.+):(%d+)$")
+    local port = tonumber(digits)
+    if not host or not port or port < 1 or port > 65535 then
+        return nil, "expected IP:PORT or unix:PATH, got " .. addr
+    end
+    -- set_current_peer resolves no names: a host name here would fail every request to the
+    -- node at run time, so it fails the config load instead (kvgate.render resolves hosts)
+    if not match(host, "^%d+%.%d+%.%d+%.%d+$") and not match(host, "^%[[%x:.]+%]$") then
+        return nil, "expected an IP address (the host resolved by kvgate.render), got " .. addr
+    end
+    return host, port
+end
+
+--- fail_key(pool, id) -> the failure mark's key in kvgate_state
+function _M.fail_key(pool, id)
+    return _M.FAIL_PREFIX .. pool .. ":" .. tostring(id)
+end
+
+--- nodes(pool, prt) -> array of nodes in kvgate.json's order | nil, err
+-- node: {id, w (the runtime's weight, 0 = not taking traffic), down, host, port, cw (smooth
+-- round robin), failed, fail_key, inflight_key}; plus eligible (nodes with w > 0) and by_id
+function _M.nodes(pool, prt)
+    if type(pool) ~= "table" or type(pool.nodes) ~= "table" then
+        return nil, "no nodes"
+    end
+    local rnodes = prt and prt.nodes
+    local out, by_id, eligible = {}, {}, 0
+    for i, n in ipairs(pool.nodes) do
+        local host, port = _M.parse_peer(n.peer or n.address)
+        if not host then
+            return nil, "node " .. tostring(n.id) .. ": " .. port
+        end
+        local r = rnodes and rnodes[n.id]
+        local w = tonumber(r and r.weight or (not rnodes and n.weight)) or 0
+        local node = {
+            id = n.id,
+            w = w > 0 and w or 0,
+            down = w <= 0,
+            state = r and r.state,
+            host = host,
+            port = port,
+            cw = 0,
+            failed = false,
+            fail_key = _M.fail_key(pool.name, n.id),
+            inflight_key = inflight.key(pool.name, n.id),
+        }
+        if w > 0 then
+            eligible = eligible + 1
+        end
+        out[i] = node
+        by_id[n.id] = node
+    end
+    return out, by_id, eligible
+end
+
+--- base(pool, prt, prev) -> instance fields every balancer has | nil, err:
+-- {pool, nodes, by_id, eligible, servers (server lines of the upstream)}; from prev (the
+-- instance replaced by a new runtime) each node keeps this worker's failure view and its
+-- round-robin weight, so a push neither forgets a failure nor restarts a sequence
+function _M.base(pool, prt, prev)
+    local nodes, by_id, eligible = _M.nodes(pool, prt)
+    if not nodes then
+        return nil, by_id
+    end
+    if prev and prev.by_id then
+        for _, node in ipairs(nodes) do
+            local old = prev.by_id[node.id]
+            if old then
+                node.failed = old.failed
+                node.cw = old.cw
+            end
+        end
+    end
+    return { pool = pool.name, nodes = nodes, by_id = by_id, eligible = eligible, servers = #nodes }
+end
+
+--- skip_failed(node, tried): down, tried by this request, or failed recently
+function _M.skip_failed(node, tried)
+    return node.down or (tried ~= nil and tried[node.id] ~= nil) or node.failed
+end
+
+--- skip_down(node, tried): down or tried (every node failed: try them again)
+function _M.skip_down(node, tried)
+    return node.down or (tried ~= nil and tried[node.id] ~= nil)
+end
+
+--- rr(nodes, tried, skip) -> node | nil: nginx's smooth weighted round robin
+-- (ngx_http_upstream_get_peer) over the nodes skip leaves; per worker (cw lives in the nodes)
+function _M.rr(nodes, tried, skip)
+    local best, total = nil, 0
+    for i = 1, #nodes do
+        local node = nodes[i]
+        if node.w > 0 and not skip(node, tried) then
+            node.cw = node.cw + node.w
+            total = total + node.w
+            if not best or node.cw > best.cw then
+                best = node
+            end
+        end
+    end
+    if best then
+        best.cw = best.cw - total
+    end
+    return best
+end
+
+--- mark_failed(b, node): skip node for FAIL_TIMEOUT_S (this worker at once, the others
+-- at their next refresh)
+function _M.mark_failed(b, node)
+    node.failed = true
+    local d = shared[DICT]
+    if d then
+        d:set(node.fail_key, true, _M.FAIL_TIMEOUT_S)
+    end
+end
+
+--- refresh(b): this worker's view of the failure marks, from kvgate_state (expired ones clear)
+function _M.refresh(b)
+    local d = shared[DICT]
+    if not d then
+        return
+    end
+    for _, node in ipairs(b.nodes) do
+        node.failed = d:get(node.fail_key) ~= nil
+    end
+end
+
+--- forget(b, ids): drop the failure marks of b's nodes (all, or the ids listed: nodes that
+-- come back into service), every worker at its next refresh
+function _M.forget(b, ids)
+    local d = shared[DICT]
+    for _, node in ipairs(b.nodes) do
+        if not ids or ids[node.id] then
+            node.failed = false
+            if d then
+                d:delete(node.fail_key)
+            end
+        end
+    end
+end
+
+--- node(b, id) -> the balancer's node with that id, or nil
+function _M.node(b, id)
+    return b.by_id[id]
+end
+
+local function busy(b)
+    local d = shared[DICT]
+    if d and d:add("warned:no_node:" .. b.pool, true, 60) then
+        ngx.log(ngx.WARN, "kvgate pool ", b.pool, ": no node left to try (all down or tried); 502")
+    end
+    return ngx.exit(NGX_BUSY)
+end
+
+--- balance(impl, b): balancer_by_lua for one try of the request
+-- kctx.balancer across the tries: node (chosen id), home (the key's home id; = node for
+-- balancers without a key), try, tried (id -> true), and what impl.start keeps
+function _M.balance(impl, b)
+    local kctx = kvctx.get()
+    local st = kctx.balancer
+    local tried
+    local try = st.try
+    if try == nil then
+        try = 1
+        impl.start(b, st, kctx)
+    else
+        -- a retry: the last try failed (error, timeout, 502/503) or was passed on (403/404)
+        try = try + 1
+        local prev = st.node
+        if prev then
+            local pnode = b.by_id[prev]
+            if pnode and get_last_failure() == "failed" then
+                _M.mark_failed(b, pnode)
+            end
+        end
+        tried = st.tried or {}
+        if prev then
+            tried[prev] = true
+        end
+        st.tried = tried
+    end
+    st.try = try
+    local node, home = impl.pick(b, st, tried)
+    if not node then
+        if home then
+            st.home = home.id
+        end
+        -- on a retry the previous node stays counted: @kvgate_upstream_error releases it
+        -- (balancer.failed_last)
+        return busy(b)
+    end
+    st.node = node.id
+    st.home = home and home.id or node.id
+    if try == 1 then
+        if b.eligible == 1 and b.servers > 1 then
+            set_more_tries(1 - b.servers)
+        end
+        inflight.begin(kctx.log, b.pool, node.id, node.inflight_key)
+    else
+        inflight.move(kctx.log, b.pool, node.id, node.inflight_key)
+    end
+    local ok, err = set_current_peer(node.host, node.port)
+    if not ok then
+        ngx.log(ngx.ERR, "kvgate pool ", b.pool, ": cannot use node ", node.id, " (", node.host, "): ", err)
+        return ngx.exit(NGX_BUSY)
+    end
+end
+
+return _M

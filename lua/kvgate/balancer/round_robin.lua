@@ -1,0 +1,32 @@
+-- The round_robin balancer: nginx's smooth weighted round robin (ngx_http_upstream_get_peer:
+-- each pick adds every node's weight to its current weight, takes the largest and subtracts
+-- the total from it), per worker, over the nodes taking traffic (runtime weight > 0) that
+-- are neither failed recently nor tried by this request; when every such node is failed,
+-- they are tried again. Weights 5, 1, 1 give a a b a c a a. A new runtime starts the
+-- sequence afresh. Tries, failure marks and the in-flight count: kvgate.balancer.peers.
+local peers = require "kvgate.balancer.peers"
+
+local _M = {}
+
+_M.NAME = "round_robin"
+
+--- new(pool, prt, prev) -> balancer | nil, err (see kvgate.balancer.peers)
+function _M.new(pool, prt, prev)
+    return peers.base(pool, prt, prev)
+end
+
+--- start(b, st, kctx): nothing to read
+function _M.start()
+end
+
+--- pick(b, st, tried) -> node | nil
+function _M.pick(b, _, tried)
+    return peers.rr(b.nodes, tried, peers.skip_failed) or peers.rr(b.nodes, tried, peers.skip_down)
+end
+
+--- balance(b): balancer_by_lua for one try of the request
+function _M.balance(b)
+    return peers.balance(_M, b)
+end
+
+return _M
