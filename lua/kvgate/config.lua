@@ -142,8 +142,10 @@ local function sorted_keys(t)
     return keys
 end
 
+-- is_object(v): a decoded JSON object (a non-empty array has integer keys; `[]` and `{}`
+-- decode alike and pass as an empty object)
 local function is_object(v)
-    return type(v) == "table" and v ~= cjson.null
+    return type(v) == "table" and #v == 0
 end
 
 local function is_int(v, max)

@@ -6,7 +6,8 @@
 --     400 a bad document, OpenAI's error shape with `param` = the path of the bad field; the
 --         runtime in force stays
 --   GET /kvgate/config
---     200 {"version": N, "digest": "...", "runtime": {...}, "loads": <config loads>}
+--     200 {"version": N, "digest": "...", "runtime": {...}, "loads": <config loads>,
+--          "worker": {"pid": P, "version": <the version this worker routes with>}}
 -- Both need `Authorization: Bearer <secret>` whose sha256 hex is kvgate.json's
 -- internal.push_secret_sha256 (401 otherwise; without that field every call is refused with
 -- 403). The header is never logged. Counted in kvgate_config_pushes_total{result}.
@@ -97,7 +98,10 @@ local function get()
         return errors.send(503, "No runtime stored yet", "not_ready", nil, "server_error")
     end
     local doc = cjson.decode(s.body)
-    return send_json(200, { version = s.version, digest = s.digest, runtime = doc, loads = s.loads })
+    -- worker: the runtime version this worker routes with (it follows within config.SYNC_S)
+    local rt = config.runtime()
+    return send_json(200, { version = s.version, digest = s.digest, runtime = doc, loads = s.loads,
+        worker = { pid = ngx.worker.pid(), version = rt and rt.version } })
 end
 
 -- came_back(old, new) -> {[pool] = {[id] = true}} of nodes whose weight went from 0 to > 0
