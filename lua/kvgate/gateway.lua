@@ -8,7 +8,7 @@ local cache = require "kvgate.cache"
 local metrics = require "kvgate.metrics"
 local inflight = require "kvgate.inflight"
 local reqlog = require "kvgate.reqlog"
-local capture = require "kvgate.capture"
+local prefix_doc = require "kvgate.warm.prefix_doc"
 local sse_guard = require "kvgate.sse_guard"
 local shutdown = require "kvgate.shutdown"
 local hash = require "kvgate.hash"
@@ -124,7 +124,7 @@ local function capture_prefix(ctx, pool, pool_name, endpoint, fp, body)
         metrics.incr("kvgate_prefix_capture_skipped_total", { reason = "not-chat" })
         return
     end
-    local doc, why = capture.prefix_doc(body, cap.max_bytes)
+    local doc, why = prefix_doc.build(body, cap.max_bytes)
     if not doc then
         metrics.incr("kvgate_prefix_capture_skipped_total", { reason = why })
         return

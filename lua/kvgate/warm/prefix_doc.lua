@@ -1,6 +1,7 @@
--- Prompt-prefix capture for warm-up (opt-in per pool: warmup.capture_prefix_text). PURE.
+-- The warm-up prefix document of a sampled request (kvgate.warm.sample; opt-in per pool:
+-- warmup.capture_prefix_text). PURE.
 --
--- prefix_doc(body) builds the JSON the control plane's warm-up sends to a new node:
+-- build(body) builds the JSON the control plane's warm-up sends to a new node:
 --   {"model": ..., "messages": [every message up to and including the first user
 --    message], "tools": [...]}        ("tools" only when the request has a tools list)
 -- from the raw request body, copying each value's bytes as the client sent them: key
@@ -29,17 +30,22 @@ end
 local function value_end(s, i)
     local c = byte(s, i)
     if c == QUOTE then
+        -- the closing quote: the next one not escaped (an odd run of backslashes before it);
+        -- plain find is memchr, a character class walks a 40 KB prompt byte by byte (~0.4 ms)
         local j = i + 1
         while true do
-            local q = find(s, '["\\]', j)
+            local q = find(s, '"', j, true)
             if not q then
                 return nil
             end
-            if byte(s, q) == BSLASH then
-                j = q + 2
-            else
+            local k = q - 1
+            while byte(s, k) == BSLASH do
+                k = k - 1
+            end
+            if (q - 1 - k) % 2 == 0 then
                 return q
             end
+            j = q + 1
         end
     elseif c == LBRACE or c == LBRACKET then
         local depth, j = 0, i
@@ -155,10 +161,10 @@ local function span(s, r)
     return sub(s, r[1], r[2])
 end
 
---- prefix_doc(body, max_bytes) -> JSON string | nil, reason
+--- build(body, max_bytes) -> JSON string | nil, reason
 -- reason: "not-object" (body is not a JSON object), "no-messages" (no messages list, or
 -- it is empty), "too-large" (the document would exceed max_bytes)
-function _M.prefix_doc(body, max_bytes)
+function _M.build(body, max_bytes)
     local start = skip_ws(body, 1)
     local top = start and members(body, start)
     if not top then
