@@ -36,7 +36,7 @@ RUN bash scripts/setup --no-venv --no-test-extras \
 # --no-web: the web stage did scripts/build-web; --check fails the build if its files are not
 # those web/package-lock.json pins (instead of scripts/setup installing npm into the image).
 COPY . .
-COPY --from=web /opt/kvgate/control/kvgate/control/static/vendor/ control/kvgate/control/static/vendor/
+COPY --from=web /opt/kvgate/control/kvgate/web/admin/static/vendor/ control/kvgate/web/admin/static/vendor/
 RUN bash scripts/setup --no-test-extras --no-web \
     && bash scripts/build-web --check
 

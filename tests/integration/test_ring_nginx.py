@@ -2,7 +2,7 @@
 ``kvgate.balancer.chash`` in nginx): for every route key, the Python ring names the node the
 gateway sends it to, with unequal weights, with a ``down`` node, at the ring's edges and where
 two nodes' points have the same hash; and the request log's ``point``/``tries`` fields feed
-kvgate.control.traffic.traffic_view (and its incremental TrafficTracker)."""
+kvgate.web.admin.traffic.traffic_view (and its incremental TrafficTracker)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from gwfixtures import (
     _wait,
     make_policy,
 )
-from kvgate.control.traffic import TrafficTracker, traffic_view
+from kvgate.web.admin.traffic import TrafficTracker, traffic_view
 from kvgate.render import WEIGHT_SCALE, Runtime
 from kvgate.ring import Ring, key_point, node_points, pool_ring
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from flask import Flask
 
-from kvgate.control.admin import _safe_next, annotate, diff_lines
+from kvgate.web.admin.editor import annotate, diff_lines
+from kvgate.web.admin.views import _safe_next
 
 TEXT = "version: 1\npools:\n  - name: a\n    balancer: ketama\n"
 
@@ -47,7 +48,7 @@ def test_safe_next(target, ok):
 
 
 def test_gpu_cells_sum_memory_and_average_utilisation_over_devices():
-    from kvgate.control.admin import _gpu_cells
+    from kvgate.web.admin.fleet import _gpu_cells
 
     report = {"gpu": {"status": "ok", "devices": [
         {"name": "NVIDIA H200", "memory_used_bytes": 60 * 2**30, "memory_total_bytes": 141 * 2**30,

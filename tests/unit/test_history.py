@@ -1,4 +1,4 @@
-"""The admin page's per-node time series (kvgate.control.history): counter increases and
+"""The admin page's per-node time series (kvgate.web.admin.history): counter increases and
 resets, windows, gaps, rates, bounded memory, and concurrent use."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kvgate.control.history import History
+from kvgate.web.admin.history import History
 from kvgate.control.report import check_report
 
 T0 = 1_700_000_000.0

@@ -1,4 +1,4 @@
-"""kvgate.control.traffic over a real redis-server: synthetic request-log entries (the shape
+"""kvgate.web.admin.traffic over a real redis-server: synthetic request-log entries (the shape
 lua/kvgate/reqlog.lua writes) and response-cache keys."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvgate.control import traffic
-from kvgate.control.traffic import TrafficTracker, cache_stats, home_weights, traffic_view
+from kvgate.web.admin import traffic
+from kvgate.web.admin.traffic import TrafficTracker, cache_stats, home_weights, traffic_view
 from kvgate.policy.loader import parse_policy
 from kvgate.ring import key_point, pool_ring
 

@@ -1,6 +1,6 @@
 """The admin page's chart library: uPlot, pinned by web/package-lock.json and vendored by
 scripts/build-web (run by scripts/setup, hence by `make setup` / `make test`) into
-control/kvgate/control/static/vendor/."""
+control/kvgate/web/admin/static/vendor/."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 WEB = REPO / "web"
-VENDOR = REPO / "control" / "kvgate" / "control" / "static" / "vendor"
+VENDOR = REPO / "control" / "kvgate" / "web" / "admin" / "static" / "vendor"
 BUILD_WEB = REPO / "scripts" / "build-web"
 UPLOT_VERSION = "1.6.32"
 NOT_BUILT = "not vendored: run scripts/build-web (scripts/setup and `make setup` run it)"
@@ -69,7 +69,7 @@ def _copy_tree(tmp_path: Path) -> Path:
     for name in ("package.json", "package-lock.json"):
         shutil.copy2(WEB / name, root / "web" / name)
     if VENDOR.is_dir():
-        shutil.copytree(VENDOR, root / "control" / "kvgate" / "control" / "static" / "vendor")
+        shutil.copytree(VENDOR, root / "control" / "kvgate" / "web" / "admin" / "static" / "vendor")
     return root
 
 
@@ -78,7 +78,7 @@ def test_build_web_check_follows_the_lock_file_content_not_timestamps(tmp_path: 
         pytest.fail(NOT_BUILT)
     root = _copy_tree(tmp_path)
     script = root / "scripts" / "build-web"
-    vendor = root / "control" / "kvgate" / "control" / "static" / "vendor"
+    vendor = root / "control" / "kvgate" / "web" / "admin" / "static" / "vendor"
     # a Docker COPY or a checkout gives new mtimes: still up to date
     os.utime(root / "web" / "package-lock.json", (2_000_000_000, 2_000_000_000))
     for f in vendor.iterdir():

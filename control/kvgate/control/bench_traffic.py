@@ -1,5 +1,5 @@
-"""Benchmark of the request-log analysis: :func:`~kvgate.control.traffic.traffic_view` (the
-whole window on every call) against :class:`~kvgate.control.traffic.TrafficTracker` (the
+"""Benchmark of the request-log analysis: :func:`~kvgate.web.admin.traffic.traffic_view` (the
+whole window on every call) against :class:`~kvgate.web.admin.traffic.TrafficTracker` (the
 window once, then only the new entries).
 
 ``python -m kvgate.control.bench_traffic [--entries 50000] [--keys 5000] [--step 1000]``
@@ -39,7 +39,7 @@ import redis
 from ..policy.loader import parse_policy
 from ..policy.model import Policy
 from ..ring import key_point, pool_ring
-from .traffic import STREAM, TrafficTracker, traffic_view
+from ..web.admin.traffic import STREAM, TrafficTracker, traffic_view
 
 NODES = 4
 WINDOW_S = 900.0

@@ -36,7 +36,7 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
     from ..nginxctl import Nginx
     from ..policy import load_policy, parse_policy_text
     from ..rundir import RunDir
-    from .app import create_app
+    from ..web import create_app
     from .plane import ApplyError, ControlPlane
     from .store import Store, StoreError
     from .token import TOKEN_FILE, ensure_token

@@ -26,9 +26,9 @@ from typing import Any
 
 import redis
 
-from ..policy.model import Policy
-from ..render import WEIGHT_SCALE
-from ..ring import Ring, pool_ring
+from ...fleet.weights import WEIGHT_SCALE
+from ...policy.model import Policy
+from ...ring import Ring, pool_ring
 
 STREAM = "kvgate:log"
 """The request-log stream (``reqlog.lua``'s ``_M.STREAM``)."""

@@ -1,0 +1,67 @@
+"""The control plane's web layer (Flask, in the shape of Flask's flaskr tutorial).
+
+:func:`create_app` takes the services (the control plane) and the admin token and returns the
+app ``kvgate control`` serves with waitress:
+
+- blueprint ``root`` (:mod:`kvgate.web.api`): ``/`` → ``/admin/``, ``/healthz``, ``/metrics``
+- blueprint ``api`` (:mod:`kvgate.web.api`): the JSON API under ``/api/v1``
+- blueprint ``admin`` (:mod:`kvgate.web.admin.views`): the admin page under ``/admin``
+- :mod:`kvgate.web.errors`: one table from domain exceptions to status, error type and code,
+  rendered as JSON for the API and as the HTML error page for the admin page
+- :mod:`kvgate.web.auth`: Bearer token, session, CSRF, ``@require_admin``
+
+Views are thin: they parse the request, call the services and render; the services never
+import Flask (this package imports it only inside :func:`create_app`, so the plane may use
+:mod:`kvgate.web.admin.history` without it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+MAX_CONTENT_BYTES = 4 * 1024 * 1024
+"""The largest request body (a policy is at most 1 MiB; the admin form holds one)."""
+
+
+def create_app(services: Any, token: str, config: Mapping[str, Any] | None = None):
+    """The Flask app over ``services`` (a :class:`kvgate.control.plane.ControlPlane`, or a fake
+    with the methods the views call) with admin token ``token``.
+
+    Config layers, later wins: kvgate's defaults (JSON order kept, 4 MiB bodies, the admin
+    session cookie and CSRF settings of :func:`kvgate.web.auth.defaults`) → environment
+    variables ``KVGATE_WEB_<KEY>`` (values parsed as JSON where they are, e.g.
+    ``KVGATE_WEB_SESSION_COOKIE_SECURE=true``) → ``config`` (tests: ``{"TESTING": True}``).
+    """
+    from flask import Flask, request
+
+    from . import auth, errors
+    from .admin.fleet import TrafficCache
+    from .admin.views import bp as admin_bp
+    from .api import bp as api_bp
+    from .api import root as root_bp
+    from .state import WebState
+
+    app = Flask("kvgate.web")
+    app.config.update({"JSON_SORT_KEYS": False, "MAX_CONTENT_LENGTH": MAX_CONTENT_BYTES, **auth.defaults(token)})
+    app.config.from_prefixed_env("KVGATE_WEB")
+    if config:
+        app.config.update(config)
+    app.extensions["kvgate"] = WebState(services=services, token=token, traffic=TrafficCache())
+    auth.csrf.init_app(app)
+    errors.register(app)
+
+    @app.before_request
+    def _auth_unrouted():
+        # No route (404) or not this method (405): the blueprints' checks do not run, so the
+        # API's holds here — an unauthenticated caller learns nothing about which URLs exist.
+        # The admin page's prefix answers its HTML 404 (or /admin → /admin/) without sign-in.
+        if request.url_rule is None and request.path not in ("/", "/healthz", "/favicon.ico") \
+                and not (request.path == "/admin" or request.path.startswith("/admin/")):
+            return auth.require_token()
+        return None
+
+    app.register_blueprint(root_bp)
+    app.register_blueprint(api_bp)
+    app.register_blueprint(admin_bp)
+    return app
