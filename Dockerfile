@@ -31,8 +31,8 @@ RUN bash scripts/setup --no-venv --no-test-extras \
     && rm -rf /var/lib/apt/lists/*
 
 # The source tree, the vendored chart library from the web stage (.dockerignore keeps the
-# host's copy out), then the venv: an editable install, because the renderer finds nginx/ and
-# lua/ next to the package (see scripts/setup). .dockerignore keeps the host's .venv out.
+# host's copy out), then the venv: an editable install of this tree (see scripts/setup; the
+# renderer finds nginx/ and lua/ through kvgate.paths). .dockerignore keeps the host's .venv out.
 # --no-web: the web stage did scripts/build-web; --check fails the build if its files are not
 # those web/package-lock.json pins (instead of scripts/setup installing npm into the image).
 COPY . .

@@ -34,6 +34,7 @@ from typing import Any
 
 import jinja2
 
+from . import paths
 from .policy.model import Policy
 
 TENANT = "default"
@@ -73,13 +74,13 @@ class Runtime:
         return self.balancers.get(pool_name, configured)
 
 
-_REPO = Path(__file__).resolve().parents[2]
-TEMPLATE_DIR = _REPO / "nginx"
+TEMPLATE_DIR = paths.template_dir()  # $KVGATE_HOME/nginx or the package's share/nginx (kvgate.paths)
 
 
 def default_lua_dir() -> Path:
-    """The repo's ``lua/`` folder (``control/kvgate/render.py`` → ``../../lua``)."""
-    return _REPO / "lua"
+    """The folder with ``kvgate/*.lua``: ``$KVGATE_HOME/lua`` or the package's ``share/lua``
+    (:func:`kvgate.paths.lua_dir`)."""
+    return paths.lua_dir()
 
 
 def _env() -> jinja2.Environment:
