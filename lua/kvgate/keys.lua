@@ -1,0 +1,68 @@
+-- The contract between the data path and the control plane: every Redis key the gateway
+-- writes, the request-log entry's fields, the gateway's metric names. PURE.
+-- Mirrored by control/kvgate/keys.py; tests/unit/test_keys_contract.py compares the two.
+local format = string.format
+local floor = math.floor
+
+local _M = {}
+
+-- Redis key prefixes (the Python side owns everything under CONTROL_PREFIX)
+_M.RESP_PREFIX = "kvgate:resp:"       -- response cache: kvgate:resp:v<N>:<scope>:<sha256 hex>
+_M.LOG_STREAM = "kvgate:log"          -- request log (XADD, MAXLEN ~ LOG_MAXLEN)
+_M.LOG_MAXLEN = 100000
+_M.HOT_PREFIX = "kvgate:hot:"         -- hot prefixes: kvgate:hot:<pool>:<minute> (ZINCRBY fp)
+_M.PREFIX_TEXT_PREFIX = "kvgate:prefix:" -- warm-up prefix documents: kvgate:prefix:<pool>:<fp>
+_M.CONTROL_PREFIX = "kvgate:control:" -- the control plane's state (nodes, events, versions)
+
+--- resp(version, scope, digest) -> "kvgate:resp:v<N>:<scope>:<digest>" (scope already escaped)
+function _M.resp(version, scope, digest)
+    return _M.RESP_PREFIX .. "v" .. version .. ":" .. scope .. ":" .. digest
+end
+
+--- hot(pool, ts) -> "kvgate:hot:<pool>:<minute>" (minute = floor(ts / 60))
+function _M.hot(pool, ts)
+    return _M.HOT_PREFIX .. pool .. ":" .. format("%d", floor(ts / 60))
+end
+
+--- prefix_text(pool, fp) -> "kvgate:prefix:<pool>:<fp>"
+function _M.prefix_text(pool, fp)
+    return _M.PREFIX_TEXT_PREFIX .. pool .. ":" .. fp
+end
+
+-- The request-log entry's fields, in XADD order (every entry has all of them; "" = none):
+--   ts      request start, epoch seconds with ms ("%.3f")
+--   pool    pool name;  node  the node that answered ("cache" for a hit, "" none)
+--   status  HTTP status sent;  cache  HIT | MISS | BYPASS
+--   kind    route-key kind (session | user | prefix | fallback)
+--   fp      prefix fingerprint (sha256 hex of the window; "" without a prompt)
+--   key     first 16 hex digits of sha256(route key);  ms  request time in ms
+--   point   crc32 of the route key (its place on the ring; "" without a key)
+--   tries   nodes tried (0 = none, 2 = a failover)
+--   home    the key's home node on the ring (kctx.balancer.home; "" = not balanced)
+_M.LOG_FIELDS = { "ts", "pool", "node", "status", "cache", "kind", "fp", "key", "ms", "point", "tries", "home" }
+
+-- The gateway's metric families (/metrics), by short name
+_M.METRICS = {
+    requests = "kvgate_requests_total",
+    upstream_response = "kvgate_upstream_response_seconds",
+    failovers = "kvgate_failovers_total",
+    cache_errors = "kvgate_cache_errors_total",
+    cache_stores = "kvgate_cache_stores_total",
+    cache_store_skipped = "kvgate_cache_store_skipped_total",
+    route_key_fallback = "kvgate_route_key_fallback_total",
+    route_key_shared_prefix = "kvgate_route_key_shared_prefix_total",
+    route_key_sentinel = "kvgate_route_key_sentinel_total",
+    bad_requests = "kvgate_bad_requests_total",
+    upstream_inflight = "kvgate_upstream_inflight",
+    stream_errors = "kvgate_stream_errors_total",
+    stream_cuts = "kvgate_stream_cuts_total",
+    request_log_written = "kvgate_request_log_written_total",
+    request_log_dropped = "kvgate_request_log_dropped_total",
+    prefix_captures = "kvgate_prefix_captures_total",
+    prefix_capture_skipped = "kvgate_prefix_capture_skipped_total",
+    config_loads = "kvgate_gateway_config_loads",
+    config_version = "kvgate_config_version",
+    config_pushes = "kvgate_config_pushes_total",
+}
+
+return _M
