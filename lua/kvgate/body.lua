@@ -15,6 +15,7 @@
 -- not supported yet"): those still go through ngx.req.read_body() (nginx's idle timeout, no
 -- deadline, dropped without an answer on a timeout; see docs/gateway.md).
 local errors = require "kvgate.errors"
+local kvctx = require "kvgate.ctx"
 
 local ngx = ngx
 local var = ngx.var
@@ -111,7 +112,7 @@ function _M.reject(status, message, code)
     end
     if status == 499 then
         -- nobody to answer; counted as a rejected request
-        ngx.ctx.rejected = 499
+        kvctx.get().req.rejected = 499
         return exit(499)
     end
     return errors.send(status, message, code)

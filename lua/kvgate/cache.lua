@@ -1,9 +1,11 @@
 -- The exact response cache: lookup in access, capture in body_filter, write from
 -- a timer started in the log phase (cosockets are not allowed in log/filters).
 --
+-- The word "capture" here means the copy of a miss's response kept for the cache (the
+-- warm-up's prompt prefixes are "sampled": kvgate.warm.sample).
 -- Failure policy: Redis errors fail open — the request is proxied as BYPASS, the
 -- error is counted in kvgate_cache_errors_total{op} and logged at most once per
--- WARN_INTERVAL_S across workers. After an error, Redis is skipped for
+-- WARN_INTERVAL_S across workers (kvgate.log.warn_every). After an error, Redis is skipped for
 -- kvgate.redis.BREAKER_S so an unreachable Redis costs one timeout per second, not one
 -- per request.
 -- Entries hold the final completion JSON (rebuilt from the chunks for streams),
@@ -18,50 +20,53 @@ local kredis = require "kvgate.redis"
 local metrics = require "kvgate.metrics"
 local config = require "kvgate.config"
 
+local keys = require "kvgate.keys"
+local klog = require "kvgate.log"
+
 local ngx = ngx
 local type = type
 local concat = table.concat
 local find = string.find
 
+local M = keys.METRICS
+
 local _M = {}
 
-local STATE = "kvgate_state"
 local WARN_INTERVAL_S = 10
 -- policy.cache.credential_headers' default (a kvgate.json rendered without the list)
 local DEFAULT_CREDENTIAL_HEADERS = { "authorization", "api-key", "x-api-key" }
 
 local function cache_error(op, err)
-    metrics.incr("kvgate_cache_errors_total", { op = op })
-    local state = ngx.shared[STATE]
+    metrics.incr(M.cache_errors, { op = op })
     if op == "get" or op == "set" then
         -- the breaker in kvgate.redis: Redis is skipped for BREAKER_S
         kredis.trip()
     end
-    if state and state:add("warned:" .. op, true, WARN_INTERVAL_S) then
-        ngx.log(ngx.WARN, "kvgate cache ", op, " failed (serving without the cache; next warning in ",
-            WARN_INTERVAL_S, "s): ", err)
-    end
+    klog.warn_every("cache:" .. op, WARN_INTERVAL_S, "kvgate cache ", op,
+        " failed (serving without the cache; next warning in ", WARN_INTERVAL_S, "s): ", err)
 end
 
---- lookup(cfg, ctx, req, endpoint, headers) -> cached completion JSON | nil
--- headers: ngx.req.get_headers() (every Cache-Control header counts, not only the first;
--- so does every value of each credential header).
--- Sets ctx.cache (HIT|MISS|BYPASS), ctx.cache_reason and, on a miss, ctx.cache_key.
-function _M.lookup(cfg, ctx, req, endpoint, headers)
-    ctx.cache = "BYPASS"
+--- lookup(cfg, c, req, endpoint, headers) -> cached completion JSON | nil
+-- c: the request's kctx.cache; headers: ngx.req.get_headers() (every Cache-Control header
+-- counts, not only the first; so does every value of each credential header).
+-- Sets c.outcome (HIT|MISS|BYPASS), c.reason and, on a miss, c.key. The key (a digest of
+-- the whole request) is worked out only for a cacheable request.
+function _M.lookup(cfg, c, req, endpoint, headers)
+    c.outcome = "BYPASS"
     local ccfg = cfg.cache
     if not ccfg.enabled then
-        ctx.cache_reason = "disabled"
+        c.reason = "disabled"
         return nil
     end
-    local ok, why = cache_key.cacheable(req, endpoint, headers["cache-control"])
+    local cc = headers["cache-control"]
+    local ok, why = cache_key.cacheable(req, endpoint, cc)
     if not ok then
-        ctx.cache_reason = why
+        c.reason = why
         return nil
     end
     if kredis.down() then
-        ctx.cache_reason = "redis-down"
-        metrics.incr("kvgate_cache_errors_total", { op = "skipped" })
+        c.reason = "redis-down"
+        metrics.incr(M.cache_errors, { op = "skipped" })
         return nil
     end
     -- Entries are scoped to the caller's credential (one sha256 of every credential header
@@ -78,39 +83,40 @@ function _M.lookup(cfg, ctx, req, endpoint, headers)
     end
     if not key then
         cache_error("key", kerr)
-        ctx.cache_reason = "key-error"
+        c.reason = "key-error"
         return nil
     end
-    if cache_key.revalidate(headers["cache-control"]) then
-        ctx.cache = "MISS"
-        ctx.cache_reason = "no-cache"
-        ctx.cache_key = key
+    if cc ~= nil and cache_key.revalidate(cc) then
+        c.outcome = "MISS"
+        c.reason = "no-cache"
+        c.key = key
         return nil
     end
     local v, err = kredis.get(cfg.redis, key)
     if v == nil then
         cache_error("get", err)
-        ctx.cache_reason = "redis-error"
+        c.reason = "redis-error"
         return nil
     end
     if v then
-        ctx.cache = "HIT"
+        c.outcome = "HIT"
         return v
     end
-    ctx.cache = "MISS"
-    ctx.cache_key = key
+    c.outcome = "MISS"
+    c.key = key
     return nil
 end
 
---- serve(ctx, entry, req, endpoint) -> sends the cached answer and ends the request
-function _M.serve(ctx, entry, req, endpoint)
+--- serve(c, entry, req, endpoint) -> sends the cached answer and ends the request; false
+-- (and c.outcome BYPASS) when the entry cannot be replayed
+function _M.serve(c, entry, req, endpoint)
     if req.stream == true then
         -- decode_keep: `[]` in the entry (e.g. top_logprobs) must replay as `[]`, not `{}`
         local obj = json.decode_keep(entry)
         if type(obj) ~= "table" then
             cache_error("decode", "cached entry is not JSON")
-            ctx.cache = "BYPASS"
-            ctx.cache_reason = "bad-entry"
+            c.outcome = "BYPASS"
+            c.reason = "bad-entry"
             return false
         end
         local so = req.stream_options
@@ -122,51 +128,63 @@ function _M.serve(ctx, entry, req, endpoint)
     else
         ngx.status = 200
         ngx.header["Content-Type"] = "application/json"
+        -- known length: no chunked encoding for a body sent in one piece
+        ngx.header["Content-Length"] = #entry
         ngx.print(entry)
     end
     ngx.exit(200)
     return true
 end
 
---- header_filter(ctx): start capturing a 200 response to a cache miss
-function _M.header_filter(ctx)
-    if ctx.cache ~= "MISS" or ngx.status ~= 200 then
+--- access(kctx, cfg): stage "cache": look the request up; a hit is answered here
+function _M.access(kctx, cfg)
+    local r = kctx.req
+    local c = kctx.cache
+    local entry = _M.lookup(cfg, c, r.parsed, r.endpoint, r.headers)
+    if entry then
+        _M.serve(c, entry, r.parsed, r.endpoint)
+    end
+end
+
+--- header_filter(c): start capturing a 200 response to a cache miss (c: kctx.cache)
+function _M.header_filter(c)
+    if c.outcome ~= "MISS" or ngx.status ~= 200 then
         return
     end
     local ct = ngx.header["Content-Type"] or ""
     if type(ct) == "table" then
         ct = ct[1] or ""
     end
-    ctx.capture = true
-    ctx.sse = find(ct, "text/event-stream", 1, true) ~= nil
-    ctx.buf = {}
-    ctx.size = 0
+    c.capture = true
+    c.sse = find(ct, "text/event-stream", 1, true) ~= nil
+    c.buf = {}
+    c.size = 0
 end
 
---- body_filter(ctx, max_bytes, chunk, eof): keep a copy of the body (the chunk as it
+--- body_filter(c, max_bytes, chunk, eof): keep a copy of the body (the chunk as it
 -- is sent on, ngx.arg[1] and ngx.arg[2] by default); give up past max_bytes (headers are
 -- gone by then, so the skip shows only in the metric)
-function _M.body_filter(ctx, max_bytes, chunk, eof)
-    if not ctx.capture then
+function _M.body_filter(c, max_bytes, chunk, eof)
+    if not c.capture then
         return
     end
     if chunk == nil then
         chunk, eof = ngx.arg[1], ngx.arg[2]
     end
     if chunk and chunk ~= "" then
-        local size = ctx.size + #chunk
+        local size = c.size + #chunk
         if size > max_bytes then
-            ctx.capture = false
-            ctx.buf = nil
-            metrics.incr("kvgate_cache_store_skipped_total", { reason = "too-large" })
+            c.capture = false
+            c.buf = nil
+            metrics.incr(M.cache_store_skipped, { reason = "too-large" })
             return
         end
-        ctx.size = size
-        local buf = ctx.buf
+        c.size = size
+        local buf = c.buf
         buf[#buf + 1] = chunk
     end
     if eof then
-        ctx.eof = true
+        c.eof = true
     end
 end
 
@@ -179,7 +197,7 @@ local function write(premature, rcfg, key, value, ttl)
         cache_error("set", err)
         return
     end
-    metrics.incr("kvgate_cache_stores_total", {})
+    metrics.incr(M.cache_stores, {})
 end
 
 local function last_status(s)
@@ -187,24 +205,25 @@ local function last_status(s)
 end
 
 local function skipped(reason)
-    metrics.incr("kvgate_cache_store_skipped_total", { reason = reason })
+    metrics.incr(M.cache_store_skipped, { reason = reason })
 end
 
---- log(cfg, ctx): store a complete 200 response (never a partial one); ctx.endpoint
+--- log(cfg, c, endpoint): store a complete 200 response (never a partial one); endpoint
 -- tells chat from completions when a stream is rebuilt
-function _M.log(cfg, ctx)
+function _M.log(cfg, c, endpoint)
     -- A client abort still runs the log phase with status 200 and a partial buffer:
     -- only a body that reached eof, from a node that answered 200, is stored.
-    if not (ctx.capture and ctx.eof and ngx.status == 200) then
+    if not (c.capture and c.eof and ngx.status == 200) then
         return
     end
     if last_status(ngx.var.upstream_status) ~= "200" then
         return
     end
-    local body = concat(ctx.buf)
+    local buf = c.buf
+    local body = #buf == 1 and buf[1] or concat(buf)
     local value, obj, err
-    if ctx.sse then
-        obj = sse.to_completion(body, ctx.endpoint)
+    if c.sse then
+        obj = sse.to_completion(body, endpoint)
         if not obj then
             -- no [DONE], an error chunk, or logprobs/tool calls that do not merge
             skipped("bad-stream")
@@ -241,9 +260,9 @@ function _M.log(cfg, ctx)
         skipped("too-large")
         return
     end
-    local ok, err = ngx.timer.at(0, write, cfg.redis, ctx.cache_key, value, cfg.cache.ttl_s)
+    local ok, terr = ngx.timer.at(0, write, cfg.redis, c.key, value, cfg.cache.ttl_s)
     if not ok then
-        cache_error("timer", err)
+        cache_error("timer", terr)
     end
 end
 

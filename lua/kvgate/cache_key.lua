@@ -16,6 +16,7 @@
 -- default value (the engine's default may change). Keys are sorted recursively,
 -- so reordering JSON keys gives the same key.
 local hash = require "kvgate.hash"
+local keys = require "kvgate.keys"
 local prompt = require "kvgate.prompt"
 
 local type = type
@@ -203,7 +204,7 @@ function _M.key(req, endpoint, tenant, version, cred)
     if not h then
         return nil, err
     end
-    return "kvgate:resp:v" .. version .. ":" .. escape_scope(tenant) .. ":" .. h
+    return keys.resp(version, escape_scope(tenant), h)
 end
 
 local function has_directive(cache_control, directive)

@@ -1,5 +1,6 @@
 -- OpenAI-style error responses, sent from the access/content phases.
 local cjson = require "cjson.safe"
+local kvctx = require "kvgate.ctx"
 
 local ngx = ngx
 local say = ngx.print
@@ -20,10 +21,10 @@ function _M.body(message, code, param, typ)
 end
 
 --- send(status, message, code, param) -> does not return (ngx.exit)
--- Marks the request as rejected so the log phase counts kvgate_bad_requests_total.
+-- Marks the request as rejected (kctx.req.rejected) so the log phase counts
+-- kvgate_bad_requests_total.
 function _M.send(status, message, code, param, typ)
-    local ctx = ngx.ctx
-    ctx.rejected = status
+    kvctx.get().req.rejected = status
     ngx.status = status
     ngx.header["Content-Type"] = "application/json"
     ngx.header["Content-Length"] = nil

@@ -4,14 +4,16 @@
 -- per-worker Lua table, and a ngx.timer.every(INTERVAL_S) started in init_worker sends
 -- the buffer in ONE pipeline per flush:
 --   XADD kvgate:log MAXLEN ~ 100000 * ts .. pool .. node .. status .. cache .. kind .. fp .. key .. ms
---        .. point .. tries
+--        .. point .. tries .. home        (the fields of keys.LOG_FIELDS, in that order)
 --     point: ngx.crc32_long(route key), the key's place on the chash ring, as a decimal
 --            integer ("" without a key); the control plane's kvgate.ring finds its home node
 --     tries: nodes tried ($upstream_addr entries; > 1 = failover, 0 = no upstream/cache hit;
 --            "" for an entry handed over by a worker that predates the field)
+--     home:  the route key's home node as the pool's balancer saw it (kctx.balancer.home;
+--            "" for a cache hit or a request that was never balanced)
 --   ZINCRBY kvgate:hot:<pool>:<minute> <n> <fp>     (per fingerprint; minute = floor(ts / 60))
 --   EXPIRE  kvgate:hot:<pool>:<minute> <hot_window_s + 120>
---   SET     kvgate:prefix:<pool>:<fp> <json> EX <ttl_s> NX   (opt-in capture, see capture.lua)
+--   SET     kvgate:prefix:<pool>:<fp> <json> EX <ttl_s> NX   (opt-in warm-up sample, kvgate.warm.sample)
 -- Redis down (the breaker in kvgate.redis is open, or the pipeline fails): the batch
 -- is dropped and counted; the buffer is capped at MAX_BUFFER entries (more are dropped
 -- and counted). A worker that is exiting (reload, stop) can no longer start timers: its
@@ -21,6 +23,8 @@ local cjson = require "cjson.safe"
 local config = require "kvgate.config"
 local kredis = require "kvgate.redis"
 local metrics = require "kvgate.metrics"
+local keys = require "kvgate.keys"
+local klog = require "kvgate.log"
 
 local ngx = ngx
 local type = type
@@ -35,8 +39,8 @@ local _M = {}
 
 _M.INTERVAL_S = 0.5
 _M.MAX_BUFFER = 10000
-_M.STREAM = "kvgate:log"
-_M.MAXLEN = "100000"
+_M.STREAM = keys.LOG_STREAM
+_M.MAXLEN = tostring(keys.LOG_MAXLEN)
 _M.HOT_SLACK_S = 120
 _M.DEFAULT_HOT_WINDOW_S = 3600
 
@@ -47,18 +51,15 @@ local WARN_INTERVAL_S = 10
 local buf, n = {}, 0
 local flushing = false
 
---- hot_key(pool, ts) -> "kvgate:hot:<pool>:<minute>"
-function _M.hot_key(pool, ts)
-    return "kvgate:hot:" .. pool .. ":" .. format("%d", floor(ts / 60))
-end
+--- hot_key(pool, ts) -> "kvgate:hot:<pool>:<minute>" (keys.hot)
+_M.hot_key = keys.hot
 
---- prefix_key(pool, fp) -> "kvgate:prefix:<pool>:<fp>"
-function _M.prefix_key(pool, fp)
-    return "kvgate:prefix:" .. pool .. ":" .. fp
-end
+--- prefix_key(pool, fp) -> "kvgate:prefix:<pool>:<fp>" (keys.prefix_text)
+_M.prefix_key = keys.prefix_text
 
 --- commands(batch, count, cfg) -> cmds, xadd_positions, set_positions  (PURE)
--- batch[1..count]: entries {ts, pool, node, status, cache, kind, fp, key, ms, point?, tries?, cap?, cap_ttl?}
+-- batch[1..count]: entries {ts, pool, node, status, cache, kind, fp, key, ms, point?, tries?, home?, cap?,
+-- cap_ttl?}
 -- cfg: the data config (per pool hot_window_s); the hot-set counts of a batch are summed
 -- per (pool, minute, fp), and each hot key gets one EXPIRE per batch.
 function _M.commands(batch, count, cfg)
@@ -71,7 +72,8 @@ function _M.commands(batch, count, cfg)
             "ts", format("%.3f", e.ts), "pool", e.pool, "node", e.node or "", "status", tostring(e.status),
             "cache", e.cache or "", "kind", e.kind or "", "fp", fp, "key", e.key or "",
             "ms", tostring(e.ms),
-            "point", e.point and format("%d", e.point) or "", "tries", e.tries and format("%d", e.tries) or "" }
+            "point", e.point and format("%d", e.point) or "", "tries", e.tries and format("%d", e.tries) or "",
+            "home", e.home or "" }
         xadds[#xadds + 1] = #cmds
         if fp ~= "" then
             local hk = _M.hot_key(e.pool, e.ts)
@@ -107,15 +109,12 @@ function _M.commands(batch, count, cfg)
 end
 
 local function dropped(reason, k)
-    metrics.incr("kvgate_request_log_dropped_total", { reason = reason }, k or 1)
+    metrics.incr(keys.METRICS.request_log_dropped, { reason = reason }, k or 1)
 end
 
 local function warn(what, err)
-    local state = ngx.shared.kvgate_state
-    if state and state:add("warned:reqlog:" .. what, true, WARN_INTERVAL_S) then
-        ngx.log(ngx.WARN, "kvgate request log ", what, " (entries dropped; next warning in ",
-            WARN_INTERVAL_S, "s): ", err)
-    end
+    klog.warn_every("reqlog:" .. what, WARN_INTERVAL_S, "kvgate request log ", what,
+        " (entries dropped; next warning in ", WARN_INTERVAL_S, "s): ", err)
 end
 
 local function spill(e)
@@ -179,10 +178,10 @@ local function send(batch, count)
         end
     end
     if written > 0 then
-        metrics.incr("kvgate_request_log_written_total", {}, written)
+        metrics.incr(keys.METRICS.request_log_written, {}, written)
     end
     if captured > 0 then
-        metrics.incr("kvgate_prefix_captures_total", {}, captured)
+        metrics.incr(keys.METRICS.prefix_captures, {}, captured)
     end
     if written < count then
         dropped("redis-error", count - written)

@@ -16,7 +16,8 @@ import requests
 
 from gwfixtures import MODEL, Gateway, RedisServer, _wait, wait_cached
 
-FIELDS = {"ts", "pool", "node", "status", "cache", "kind", "fp", "key", "ms", "point", "tries"}
+# home: the key's home node (kctx.balancer.home, issue 10); keys.LOG_FIELDS is the contract
+FIELDS = {"ts", "pool", "node", "status", "cache", "kind", "fp", "key", "ms", "point", "tries", "home"}
 
 
 def _entries(gw: Gateway) -> list[dict[str, str]]:
@@ -95,6 +96,8 @@ def test_entries_fields_fingerprints_and_hot_sets(start_sims, start_redis, start
     hit = by_kind[("prefix", "HIT")]
     assert (hit["node"], hit["status"], hit["fp"]) == ("cache", "200", fp)
     assert (hit["point"], hit["tries"]) == (miss["point"], "0")  # no upstream for a hit
+    # chash without a failover: the node that answered is the key's home; a hit has none
+    assert miss["home"] == miss["node"] and hit["home"] == ""
     session = by_kind[("session", "BYPASS")]
     assert session["fp"] == fp  # computed although the session header decided the route
     assert session["key"] == _short("s:sess-1")
