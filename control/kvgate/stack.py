@@ -1,11 +1,16 @@
-"""Run a whole kvgate stack as local processes: a private Redis, the engine simulators, nginx.
+"""Run a whole kvgate stack as local processes: a private Redis, the engine simulators, the
+control plane (which writes and starts nginx) and one node agent per simulated engine.
 
 Everything lives under one *run directory* (:mod:`kvgate.rundir`: ``state.json``, ``pids/``,
 ``logs/``, ``redis/``, ``nginx/``, the admin token).
 
-``up`` is idempotent: a process that is already running and healthy is left alone,
-stale pid files (process gone, or the pid reused by another program) are removed,
-and a changed policy is applied to nginx with a tested reload.
+The stack supervises processes; it never writes nginx config. The control plane is the only
+writer (issue 10): ``up`` starts ``kvgate control --policy``, which renders the policy with the
+node states kept in Redis and starts (or reloads) nginx, or, when a control plane of ours
+already runs, applies the policy through its API. ``up`` is idempotent: a process that is
+already running and healthy is left alone, stale pid files (process gone, or the pid reused by
+another program) are removed, and a changed policy is applied through the control plane (a
+new policy version; nginx reloads only for structural changes).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import requests
 
 from .addr import http_url, split_host_port
 from .nginxctl import Nginx, find_binary
-from .render import Runtime, render
+from .render import render
 from .policy import NodeConfig, Policy, PolicyError, load_policy
 from .rundir import DEFAULT_RUN_DIR, RunDir, default_run_dir  # noqa: F401 (default_run_dir: re-export)
 
@@ -301,10 +306,13 @@ class Stack:
     def up(self, policy_path: Path, timeout: float = 30.0, echo=print, restore: bool = True) -> Policy:
         """Start (or reconcile) every component of the policy and wait until all are healthy.
 
-        The policy is validated and its nginx config tested (``nginx -t``) before any
-        process is touched. A failure later stops what this call started and, when
-        ``restore``, reconciles back to the previous running policy (best effort: a
-        warning is echoed if that fails too); the previous policy stays the running one.
+        The policy is validated and its nginx config tested (``nginx -t`` on a staged copy:
+        nothing of the running gateway is written) before any process is touched. nginx is
+        then written and started by the control plane: a new ``kvgate control`` applies the
+        policy at its start, a running one through ``PUT /api/v1/policy``. A failure later
+        stops what this call started and, when ``restore``, reconciles back to the previous
+        running policy (best effort: a warning is echoed if that fails too); the previous
+        policy stays the running one.
 
         Raises:
             PolicyError: the policy file is invalid.
@@ -330,18 +338,19 @@ class Stack:
             # plane refuses to remove a node that still has work, and its engine must keep serving
             self._per_node("sim", sims, lambda node: self.start_sim(policy, node), echo, started, stop_others=False)
             self._wait_healthy(policy, sims, timeout)
+            # the control plane is nginx's only writer: the policy goes through it, rendered with
+            # the node states in Redis (drained nodes stay down), tested, loaded, recorded as a version
             if self._control_keeps(policy):
-                # the running control plane owns nginx: the policy goes through its API
-                # (rendered with the live node states, tested, reloaded, recorded as a version)
                 echo(f"control   {self.apply_via_control(policy_path, policy)}")
                 self.nginx.wait_ready(policy.gateway.listen, timeout=timeout)
             else:
-                echo(f"nginx     {self.nginx.apply(policy, self.stored_runtime(policy))}")
-                self.nginx.wait_ready(policy.gateway.listen, timeout=timeout)
+                nginx_before = self.nginx.pid()
                 result = self.start_control(policy_path, policy, timeout)
                 echo(f"control   {result}")
                 if result in ("started", "restarted"):
                     started.append("control")
+                self.nginx.wait_ready(policy.gateway.listen, timeout=timeout)
+                echo(f"nginx     {'reloaded' if nginx_before else 'started'} by the control plane")
             self._stop_unlisted("sim", sims, echo)
             self._per_node("agent", sims, lambda node: self.start_agent(policy, node), echo, started)
         except BaseException:
@@ -359,20 +368,6 @@ class Stack:
         return policy
 
     # -------------------------------------------------------- control plane
-    def stored_runtime(self, policy: Policy) -> Runtime | None:
-        """The control plane's node states in Redis as a render runtime (drained nodes stay
-        ``down`` across ``kvgate up``), or None when there are none (a fresh fleet)."""
-        from .control.plane import runtime_for
-        from .control.store import Store, StoreError
-
-        try:
-            store = Store(policy.redis.url, timeout_s=1.0)
-            records = store.nodes()
-            pools = store.pools([p.name for p in policy.pools])
-        except StoreError:
-            return None
-        return runtime_for(policy, records, pools) if records else None
-
     def control_url(self, policy: Policy) -> str:
         return http_url(policy.control.listen)
 
@@ -410,8 +405,10 @@ class Stack:
                 else f"running (policy version {res['version']})")
 
     def start_control(self, policy_path: Path, policy: Policy, timeout: float) -> str:
-        """Start ``kvgate control`` (restarting one on another address) and wait for ``/healthz``.
-        Returns ``started`` or ``restarted``."""
+        """Start ``kvgate control`` (restarting one on another address) and wait for ``/healthz``:
+        it answers once the policy is applied and nginx runs with it. Returns ``started`` or
+        ``restarted``. Raises StackError with the end of the control plane's log when it exits
+        (an invalid policy, nginx refusing the config, a busy gateway port, Redis down)."""
         from .control.token import ensure_token
 
         ensure_token(self.token_file)

@@ -202,3 +202,36 @@ def test_a_closed_stdout_does_not_abort_up_or_down(one_node):
         if command == "up":
             assert kvgate(one_node.run_dir, "status").returncode == 0
     assert not listening(one_node.node) and not listening(one_node.gw)
+
+
+def test_up_leaves_nginx_to_the_control_plane(one_node):
+    """`kvgate up` writes no nginx config itself: the control plane renders and starts it."""
+    out = one_node.up()
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert "control   started" in lines and "nginx     started by the control plane" in lines
+    assert lines.index("control   started") < lines.index("nginx     started by the control plane")
+    log = (one_node.run_dir / "logs" / "control.log").read_text()
+    assert "kvgate control on http://" in log
+    # the running control plane applies a changed policy itself (a new version), nginx keeps running
+    one_node.write(one_node.policy, time_scale="0.02")
+    again = one_node.up()
+    assert again.returncode == 0, again.stderr
+    assert "control   applied policy version 2" in again.stdout and "nginx     " not in again.stdout
+
+
+def test_replay_without_a_control_plane_says_so(one_node, tmp_path):
+    """The replay's balancer switches go only through the control plane: none running → a clear error."""
+    assert one_node.up().returncode == 0
+    pid = int((one_node.run_dir / "pids" / "control.pid").read_text())
+    proc = psutil.Process(pid)
+    proc.terminate()
+    proc.wait(timeout=30)
+    conf = (one_node.run_dir / "nginx" / "conf" / "nginx.conf").read_text()
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 64, "output_length": 4, "hash_ids": [0]}\n')
+    out = kvgate(one_node.run_dir, "replay", str(trace), "--policies", "round_robin", timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "no control plane" in out.stderr and "kvgate up" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert (one_node.run_dir / "nginx" / "conf" / "nginx.conf").read_text() == conf  # nothing written

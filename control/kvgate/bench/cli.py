@@ -28,38 +28,33 @@ def _fmt_tokens(n: float) -> str:
 
 
 def _balancer_switch(stack, policy, restore_policy):
-    """``(apply(balancer) -> str, restore() -> None)``: through the control plane's API when
-    one runs (it owns nginx, and the switch is recorded as policy versions), else by
-    rendering nginx directly."""
+    """``(apply(balancer) -> str, restore() -> None)`` through the control plane's API: it is the
+    only writer of nginx config, and each switch is recorded as a policy version (a balancer
+    change is a runtime push, no reload). Raises ControlError when no control plane of this
+    run directory answers, or its admin token cannot be read."""
     from ..control.client import ControlClient, ControlError
     from ..control.token import read_token
     from ..policy import dump_policy
 
     control = stack.control_url(restore_policy)
-    if stack._live_pid("control") and stack.http_healthy(control + "/healthz"):
-        try:
-            client = ControlClient(control, read_token(stack.token_file), timeout=120)
-        except (OSError, ValueError) as exc:
-            raise ControlError(f"cannot read the admin token {stack.token_file}: {exc}") from None
-        original = client.policy().get("yaml")
+    if not (stack._live_pid("control") and stack.http_healthy(control + "/healthz")):
+        raise ControlError(f"no control plane of {stack.run_dir} answers at {control}: the replay switches "
+                           "balancers through it (start the stack with `kvgate up`; `kvgate status` says what runs)")
+    try:
+        client = ControlClient(control, read_token(stack.token_file), timeout=120)
+    except (OSError, ValueError) as exc:
+        raise ControlError(f"cannot read the admin token {stack.token_file}: {exc}") from None
+    original = client.policy().get("yaml")
 
-        def apply(name: str) -> str:
-            res = client.apply(dump_policy(policy.with_balancer(name)), source=f"kvgate replay ({name})")
-            return f"policy version {res['version']} via the control plane (nginx {res['result']})"
+    def apply(name: str) -> str:
+        res = client.apply(dump_policy(policy.with_balancer(name)), source=f"kvgate replay ({name})")
+        return f"policy version {res['version']} via the control plane (nginx {res['result']})"
 
-        def restore() -> None:
-            if original:
-                client.apply(original, source="kvgate replay (restore)")
+    def restore() -> None:
+        if original:
+            client.apply(original, source="kvgate replay (restore)")
 
-        return apply, restore
-
-    def apply_direct(name: str) -> str:
-        return f"nginx {stack.nginx.apply(policy.with_balancer(name))}"
-
-    def restore_direct() -> None:
-        stack.nginx.apply(restore_policy)
-
-    return apply_direct, restore_direct
+    return apply, restore
 
 
 def render_table(reports: dict[str, PolicyReport], baseline: str | None) -> Table:
@@ -117,11 +112,11 @@ def replay_command(ctx: click.Context, trace_path: Path, policy_path: Path | Non
                    json_path: Path | None) -> None:
     """Replay TRACE (Mooncake JSONL) through the running gateway once per balancer and compare.
 
-    Before each balancer the engines' prefix caches are reset and nginx is re-rendered
-    and reloaded with that balancer; afterwards the policy's own balancer is restored.
+    Before each balancer the engines' prefix caches are reset and the control plane applies
+    the policy with that balancer (a policy version each); afterwards the running policy is
+    applied again. Needs the stack's control plane (``kvgate up``).
     """
     from ..control.client import ControlError
-    from ..nginxctl import NginxError
     from ..stack import Stack
 
     console = Console(stderr=True)
@@ -174,6 +169,11 @@ def replay_command(ctx: click.Context, trace_path: Path, policy_path: Path | Non
     if down:
         click.echo(f"error: node(s) not healthy: {', '.join(down)} (see `kvgate status`)", err=True)
         sys.exit(1)
+    try:
+        apply_balancer, restore = _balancer_switch(stack, policy, restore_policy)
+    except ControlError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
     span = (trace[-1].timestamp_s - trace[0].timestamp_s) / speedup
     console.print(f"replaying {len(trace)} requests of {trace_path.name} (~{span:.0f} s each at speedup "
                   f"{speedup:g}) through {gateway} to {len(nodes)} nodes; balancers: {', '.join(names)}")
@@ -186,7 +186,6 @@ def replay_command(ctx: click.Context, trace_path: Path, policy_path: Path | Non
     console.print(f"pooled ceiling {ceiling:.1%}: one cache of {num_blocks} blocks x {block_size} tokens "
                   f"(from {source}), computed offline in {time.perf_counter() - t:.1f} s")
 
-    apply_balancer, restore = _balancer_switch(stack, policy, restore_policy)
     reports: dict[str, PolicyReport] = {}
     try:
         for name in names:
@@ -212,13 +211,13 @@ def replay_command(ctx: click.Context, trace_path: Path, policy_path: Path | Non
             reports[name] = build_report(results, before, after, ceiling)
             for err in reports[name].errors:
                 console.print(f"  [red]error[/]: {err}")
-    except (ReplayError, NginxError, ControlError) as exc:
+    except (ReplayError, ControlError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     finally:
         try:
             restore()
-        except (NginxError, ControlError) as exc:
+        except ControlError as exc:
             click.echo(f"warning: could not restore the policy's balancer: {exc}", err=True)
 
     baseline = "round_robin" if "round_robin" in reports else None

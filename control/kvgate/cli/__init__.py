@@ -94,10 +94,10 @@ def validate(policy: Path) -> None:
 @click.option("--timeout", default=30.0, show_default=True, help="Seconds to wait for every part to be healthy.")
 @click.pass_context
 def up(ctx: click.Context, policy: Path, timeout: float) -> None:
-    """Start Redis, the engine simulators, the nginx gateway, the control plane and one node agent
-    per simulated engine, for POLICY [default: policies/demo.yaml].
+    """Start Redis, the engine simulators, the control plane (which writes and starts the nginx
+    gateway) and one node agent per simulated engine, for POLICY [default: policies/demo.yaml].
 
-    Safe to run twice: running parts are kept, a changed policy is reloaded.
+    Safe to run twice: running parts are kept, a changed policy is applied through the control plane.
     """
     from ..nginxctl import NginxError
     from ..stack import StackError
