@@ -27,8 +27,14 @@ local _M = {}
 local DICT = "kvgate_inflight"
 local NAME = "kvgate_upstream_inflight"
 
+local the_dict
 local function dict()
-    return ngx.shared[DICT]
+    local d = the_dict
+    if d == nil then
+        d = ngx.shared[DICT]
+        the_dict = d
+    end
+    return d
 end
 
 local keys = {} -- pool -> node -> label string (built once: labels() sorts and concatenates)
@@ -83,6 +89,17 @@ function _M.begin(h, pool, node, key)
     end
     key = key or _M.key(pool, node)
     if incr(d, key, 1) then
+        h.inflight = key
+    end
+end
+
+--- take(h, key): begin() for the balancer, which has its holder (kctx.log) and the node's key
+function _M.take(h, key)
+    if h.inflight then
+        return
+    end
+    local d = dict()
+    if d and incr(d, key, 1) then
         h.inflight = key
     end
 end

@@ -82,7 +82,7 @@ def bare_nginx_conf(lua_dir: Path | str, http_body: str, workers: int = 1, conne
     """A private nginx.conf that loads the Lua module and kvgate's modules from ``lua_dir`` and
     runs ``http_body`` (upstreams, servers, init_by_lua …) inside ``http { }``: the shared
     prologue (modules, pid and log under the prefix, temp paths, ``lua_package_path``, the
-    ``kvgate_state`` dict the balancer marks failures in) of the benchmark and of the tests
+    ``kvgate_state`` dict the balancer marks failures in, ``kvgate_inflight`` it counts requests in) of the benchmark and of the tests
     that drive ``kvgate.balancer.chash`` without the rest of the gateway."""
     return f"""
 load_module /usr/lib/nginx/modules/ndk_http_module.so;
@@ -97,6 +97,8 @@ http {{
     uwsgi_temp_path tmp/uwsgi; scgi_temp_path tmp/scgi;
     lua_package_path "{lua_dir}/?.lua;;";
     lua_shared_dict kvgate_state 1m;
+    # the balancer counts each request on its node here (kvgate.inflight), as in the gateway
+    lua_shared_dict kvgate_inflight 1m;
 {http_body}
 }}
 """
@@ -134,12 +136,14 @@ def _conf(lua_dir: Path, listen: int, backends: list[int], workers: int) -> str:
         proxy_set_header Connection "";
         proxy_next_upstream error timeout;
         proxy_next_upstream_tries 2;
-        # the same access phase in front of both: the key in $kvgate_route_key and
-        # ngx.ctx.route_key, as kvgate's access phase leaves it
+        # the same access phase in front of both: the key in $kvgate_route_key and in the
+        # request context (kctx.route.key; ngx.ctx.route_key until phase.lua), as kvgate's
+        # access phase leaves it
         set $kvgate_route_key "";
         access_by_lua_block {{
             local key = ngx.var.http_x_key
             ngx.var.kvgate_route_key = key
+            require("kvgate.ctx").get().route.key = key
             ngx.ctx.route_key = key
         }}
         location = /native {{ proxy_pass http://native; }}

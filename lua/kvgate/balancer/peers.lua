@@ -35,6 +35,7 @@ local shared = ngx.shared
 local set_current_peer = ngx_balancer.set_current_peer
 local set_more_tries = ngx_balancer.set_more_tries
 local get_last_failure = ngx_balancer.get_last_failure
+local take = inflight.take
 local ipairs = ipairs
 local type = type
 local tonumber = tonumber
@@ -264,7 +265,7 @@ function _M.balance(impl, b)
         if b.eligible == 1 and b.servers > 1 then
             set_more_tries(1 - b.servers)
         end
-        inflight.begin(kctx.log, b.pool, node.id, node.inflight_key)
+        take(kctx.log, node.inflight_key)
     else
         inflight.move(kctx.log, b.pool, node.id, node.inflight_key)
     end
