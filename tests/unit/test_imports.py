@@ -156,3 +156,16 @@ def test_no_cycle_among_all_imports() -> None:
     g = _without_parents(_graph(module_level=False))
     assert "kvgate.stack" not in g["kvgate.control.client"]
     assert _cycles(g) == []
+
+
+def test_services_never_import_flask() -> None:
+    """The control plane, its steps and the stack run without the web layer's framework
+    (issue 10 item 5: views call services; services never import Flask)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvgate.control.plane, kvgate.stack, kvgate.control.client, kvgate.web.admin.history; "
+            "print(sorted(m for m in sys.modules if m == 'flask' or m.startswith('flask.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
