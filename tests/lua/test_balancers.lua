@@ -78,6 +78,8 @@ local lc = require "kvgate.balancer.least_conn"
 local chash = require "kvgate.balancer.chash"
 local inflight = require "kvgate.inflight"
 
+local KEY -- the route key of the next request (where the route stage leaves it)
+
 local function pool(weights)
     local nodes, prt = {}, { nodes = {} }
     for i, w in ipairs(weights) do
@@ -98,6 +100,7 @@ local function request(impl, b, failures, keep)
     if not keep then
         ngx.ctx = {}
     end
+    require("kvgate.ctx").get().route.key = KEY
     local out = {}
     for t = 1, 1 + #(failures or {}) do
         B.failure = t > 1 and failures[t - 1] or nil
@@ -223,7 +226,7 @@ H.test("tries: a pool with one node taking traffic gets no retry (its own 502/50
     for _, impl in ipairs({ rr, lc, chash }) do
         B.more = nil
         local b = assert(impl.new(p, prt))
-        ngx.var.kvgate_route_key = "s:x"
+        KEY = "s:x"
         request(impl, b)
         H.eq(B.more, -2, impl.NAME) -- 3 server lines -> 1 try
     end
@@ -244,7 +247,7 @@ H.test("chash: weights from the runtime; a rebuild with the same ring weights re
     local b = assert(chash.new(p, prt))
     for i = 1, 200 do
         local key = "s:k" .. i
-        ngx.var.kvgate_route_key = key
+        KEY = key
         local home = ring.home(b.ring, ring.crc32(key)).id
         H.eq(request(chash, b)[1], home)
         H.eq(ngx.ctx.kvgate.balancer.home, home)
@@ -261,7 +264,7 @@ H.test("chash: weights from the runtime; a rebuild with the same ring weights re
     H.ne(b3.ring.hashes, b.ring.hashes)
     for i = 1, 400 do
         local key = "s:k" .. i
-        ngx.var.kvgate_route_key = key
+        KEY = key
         local got = request(chash, b3)[1]
         H.ne(got, "a")
         H.eq(ngx.ctx.kvgate.balancer.home, ring.home(b3.ring, ring.crc32(key)).id)

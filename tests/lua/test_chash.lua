@@ -68,7 +68,8 @@ end
 -- one request: the first try, then (failure = "failed"/"next") a retry; -> ids tried
 local function request(b, key, failures)
     ngx.ctx = {}
-    var.kvgate_route_key = key
+    -- where the route stage leaves it
+    require("kvgate.ctx").get().route.key = key
     local out = {}
     for t = 1, 1 + #(failures or {}) do
         B.failure = t > 1 and failures[t - 1] or nil

@@ -136,15 +136,13 @@ def _conf(lua_dir: Path, listen: int, backends: list[int], workers: int) -> str:
         proxy_set_header Connection "";
         proxy_next_upstream error timeout;
         proxy_next_upstream_tries 2;
-        # the same access phase in front of both: the key in $kvgate_route_key and in the
-        # request context (kctx.route.key; ngx.ctx.route_key until phase.lua), as kvgate's
-        # access phase leaves it
+        # the same access phase in front of both: the key in $kvgate_route_key (native hash)
+        # and in the request context (kctx.route.key), where kvgate's route stage leaves it
         set $kvgate_route_key "";
         access_by_lua_block {{
             local key = ngx.var.http_x_key
             ngx.var.kvgate_route_key = key
             require("kvgate.ctx").get().route.key = key
-            ngx.ctx.route_key = key
         }}
         location = /native {{ proxy_pass http://native; }}
         location = /lua {{ proxy_pass http://lua; }}

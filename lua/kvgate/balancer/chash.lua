@@ -92,13 +92,11 @@ end
 
 --- start(b, st, kctx): the key's CRC-32 (st.point; none for an empty key: round robin)
 function _M.start(b, st, kctx)
+    -- set by the route stage (kvgate.stage.route); $kvgate_route_key where no stage ran (a
+    -- bare nginx driving this module: tests); none: round robin
     local key = kctx.route.key
     if key == nil then
-        -- set by the access phase; until phase.lua writes kctx.route.key
-        key = ngx.ctx.route_key
-        if key == nil then
-            key = ngx.var.kvgate_route_key
-        end
+        key = ngx.var.kvgate_route_key
     end
     if key and key ~= "" then
         st.point = crc32_long(key)
