@@ -35,11 +35,6 @@ local NGX_BUSY = peers.NGX_BUSY
 
 local instances = {} -- pool name -> instance (this worker; b.impl, b.prt)
 
---- uses_lua(pool) -> true: every pool is balanced here
-function _M.uses_lua()
-    return true
-end
-
 -- same(a, b) -> true when two pool runtimes route alike (balancer and every weight)
 local function same(a, b)
     if not a or not b or a.balancer ~= b.balancer then
