@@ -106,9 +106,7 @@ def nodes():
 
 @bp.get("/nodes/<node_id>")
 def node(node_id: str):
-    plane = services()
-    with plane.lock:
-        return jsonify(plane.node_view(node_id))
+    return jsonify(services().node_view(node_id))
 
 
 @bp.post("/nodes/<node_id>/report")

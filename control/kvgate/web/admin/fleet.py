@@ -279,16 +279,18 @@ class TrafficCache:
             return value
 
 
-def pool_lines(plane: Any, traffic: TrafficCache) -> list[dict[str, Any]]:
+def pool_lines(plane: Any, traffic: TrafficCache, states: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """One dict per pool for the Fleet page's pool line and the Pools page: the plane's pool view
     plus the request-log figures (affinity ratio, cache ratios, failovers, error ratio, serving
-    node count, requests neither routed by key nor answered from the cache)."""
+    node count, requests neither routed by key nor answered from the cache). ``states``: node id
+    → state, when the caller has the nodes' view already (else read from ``nodes_view()``)."""
     t = traffic.get(plane)
+    if states is None:
+        states = {n["id"]: n["state"] for n in plane.nodes_view()}
     out = []
     for p in plane.pools_view():
         tv = (t.get("pools") or {}).get(p["name"]) or {}
-        with plane.lock:
-            serving = [i for i in p["nodes"] if (plane.nodes.get(i) or {}).get("state") in st.SERVING]
+        serving = [i for i in p["nodes"] if states.get(i) in st.SERVING]
         requests_n = tv.get("requests") or 0
         out.append({**p, "affinity_ratio": tv.get("affinity_ratio"), "routed": tv.get("routed"),
                     "requests": tv.get("requests"), "cache_ratio": tv.get("cache_ratio") or {},

@@ -70,6 +70,10 @@ def _traffic():
     return state().traffic
 
 
+def _states(rows: list[dict[str, Any]]) -> dict[str, str]:
+    return {r["id"]: r["state"] for r in rows}
+
+
 def _safe_next(target: str | None) -> str:
     """Only a path of this page (no other host): sign-in must not become an open redirect."""
     if target:
@@ -171,7 +175,8 @@ def logout():
 @require_admin
 def fleet():
     plane = services()
-    return render_template("admin/fleet.html", rows=fleet_rows(plane), pools=pool_lines(plane, _traffic()),
+    rows = fleet_rows(plane)
+    return render_template("admin/fleet.html", rows=rows, pools=pool_lines(plane, _traffic(), _states(rows)),
                            actions=ACTIONS, traffic_error=_traffic().get(plane).get("error"), page="fleet")
 
 
@@ -179,11 +184,12 @@ def fleet():
 @require_admin
 def fleet_json():
     plane = services()
+    rows = fleet_rows(plane)
     pools = [{"name": p["name"], "balancer_in_force": p["balancer_in_force"], "degraded": p["degraded"],
               "affinity": _pct(p["affinity_ratio"], 1), "hit": _pct((p["cache_ratio"] or {}).get("HIT"), 1),
               "errors": _pct(p["error_ratio"], 1), "serving": p["serving"], "nodes": len(p["nodes"])}
-             for p in pool_lines(plane, _traffic())]
-    return jsonify({"rows": fleet_rows(plane), "pools": pools, "at": time.time(),
+             for p in pool_lines(plane, _traffic(), _states(rows))]
+    return jsonify({"rows": rows, "pools": pools, "at": time.time(),
                     "gateway_ok": plane.gateway_ok,
                     "policy_version": (plane.policy_version or {}).get("version")})
 
@@ -206,8 +212,7 @@ def node_action(node_id: str, action: str):
     if spec is None:
         return error_page("Not found", f"no action {action!r} (drain, undrain or warm)", 404)
     if request.method == "GET":
-        with plane.lock:
-            view = plane.node_view(node_id)  # NotFound → the error table's 404 page
+        view = plane.node_view(node_id)  # NotFound → the error table's 404 page
         return render_template("admin/confirm.html", action=action, spec=spec, node=view,
                                message=spec["confirm"].format(node=node_id),
                                post_url=url_for("admin.node_action", node_id=node_id, action=action),
