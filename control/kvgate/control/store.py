@@ -17,6 +17,7 @@ Every method raises :class:`StoreError` (with the Redis error) when Redis cannot
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -24,6 +25,8 @@ from typing import Any
 import redis
 
 PREFIX = "kvgate:control:"
+
+log = logging.getLogger("kvgate.control")
 
 
 class StoreError(RuntimeError):
@@ -99,6 +102,15 @@ class Store:
         values = self._call("read reports", self.r.mget, [PREFIX + f"report:{n}" for n in node_ids])
         return {n: json.loads(v) for n, v in zip(node_ids, values) if v}
 
+    def try_reports(self, node_ids: list[str]) -> dict[str, dict[str, Any]] | None:
+        """:meth:`reports`, or None (logged) when Redis cannot be read: then nothing that depends
+        on reports is decided (a Redis outage must not look like dead agents)."""
+        try:
+            return self.reports(node_ids)
+        except StoreError as exc:
+            log.warning("%s", exc)
+            return None
+
     # ------------------------------------------------------------- pools
     def pools(self, names: list[str]) -> dict[str, dict[str, Any]]:
         if not names:
@@ -153,6 +165,30 @@ class Store:
             return value
         self._call("write instance", self.r.set, PREFIX + "instance", uuid.uuid4().hex, nx=True)
         return self._call("read instance", self.r.get, PREFIX + "instance") or ""
+
+    def try_instance(self) -> str | None:
+        """:meth:`instance`, or None (logged) when Redis cannot be read."""
+        try:
+            return self.instance()
+        except StoreError as exc:
+            log.warning("%s", exc)
+            return None
+
+    def restore(self, records: list[dict[str, Any]], pools: dict[str, dict[str, Any]], namespace_max: int) -> None:
+        """Write node records, pool states and the namespace floor again (into a store that was
+        emptied under the control plane). Errors are logged: the next change writes them again."""
+        for rec in records:
+            try:
+                self.put_node(rec)
+            except StoreError as exc:
+                log.warning("%s", exc)
+        try:
+            for name, p in pools.items():
+                self.put_pool(name, p)
+            if namespace_max:
+                self.set("cache_namespace_max", str(namespace_max))
+        except StoreError as exc:
+            log.warning("%s", exc)
 
     def get(self, name: str) -> str | None:
         return self._call(f"read {name}", self.r.get, PREFIX + name)
