@@ -1,4 +1,4 @@
-"""Operator commands that go through the control plane's API with the admin token:
+"""``kvgate`` operator commands (kvgate.cli.ops) that go through the control plane's API with the admin token:
 ``kvgate nodes``, ``drain``, ``undrain``, ``warm``, ``apply``, ``events``, ``token``."""
 
 from __future__ import annotations
