@@ -107,3 +107,25 @@ def test_admin_events_page_and_json(admin) -> None:
     assert admin.get("/admin/events?before=not-an-id").status_code == 400
     r = admin.get("/admin/events", headers={"Accept": "application/json"})
     assert [e["message"] for e in r.get_json()["events"]] == ["event 2", "event 1", "event 0"]
+
+
+def test_the_plane_and_the_fake_have_what_the_views_call() -> None:
+    """kvgate.web.state.Services names what the views use; the real control plane and the
+    fake services of these tests must both have it (the plane moves internals, not these)."""
+    import inspect
+    import re
+
+    from kvgate.control.plane import ControlPlane
+    from kvgate.web.state import Services
+
+    from webfixtures import FakePlane
+
+    names = set(Services.__annotations__) | {n for n, v in vars(Services).items()
+                                               if callable(v) and not n.startswith("_")}
+    assert {"nodes_view", "drain", "policy", "lock"} <= names
+    plane_src = inspect.getsource(ControlPlane)
+    fake = FakePlane()
+    for name in sorted(names):
+        assigned = re.search(rf"self\.{name}\b[^\n=]*=(?!=)", plane_src)  # self.a, self.b = ... too
+        assert hasattr(ControlPlane, name) or assigned, name
+        assert hasattr(fake, name), name

@@ -7,10 +7,39 @@ blueprints, state on the app), so two apps in one process (tests) never share an
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from flask import current_app
+
+
+class Services(Protocol):
+    """What the views call on the control plane (:class:`kvgate.control.plane.ControlPlane`;
+    tests/web/webfixtures.py has a fake with the same names). Reads return JSON-ready dicts;
+    actions raise the domain errors of :data:`kvgate.web.errors.ERRORS`."""
+
+    policy: Any                      # the Policy in force (None before the first apply)
+    policy_version: dict[str, Any] | None
+    store: Any                       # ping, versions, events, session_revoked, revoke_session
+    metrics: Any                     # render() -> Prometheus text
+    history: Any                     # kvgate.web.admin.history.History
+    lock: AbstractContextManager     # held around an action's check and the action
+    gateway_ok: bool
+    namespace_in_force: int
+
+    def nodes_view(self) -> list[dict[str, Any]]: ...
+    def node_view(self, node_id: str) -> dict[str, Any]: ...
+    def pools_view(self) -> list[dict[str, Any]]: ...
+    def serving_weights(self) -> dict[str, int]: ...
+    def report(self, node_id: str, report: dict[str, Any]) -> dict[str, Any]: ...
+    def drain(self, node_id: str, reason: str | None = None, force: bool = False) -> dict[str, Any]: ...
+    def undrain(self, node_id: str, reason: str | None = None) -> dict[str, Any]: ...
+    def warm(self, node_id: str, reason: str | None = None) -> dict[str, Any]: ...
+    def validate(self, text: str) -> Any: ...
+    def apply_policy(self, text: str, source: str, force: bool = False) -> dict[str, Any]: ...
+    def rollback(self, version: int, by: str | None = None, force: bool = False) -> dict[str, Any]: ...
+    def invalidate_cache(self, source: str) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -19,7 +48,7 @@ class WebState:
     with the same methods in tests); ``token``: the admin token; ``traffic``: the admin
     page's request-log figures (:class:`kvgate.web.admin.fleet.TrafficCache`)."""
 
-    services: Any
+    services: Services
     token: str
     traffic: Any
 
@@ -28,6 +57,6 @@ def state() -> WebState:
     return current_app.extensions["kvgate"]
 
 
-def services() -> Any:
+def services() -> Services:
     """The control plane behind this app."""
     return state().services
