@@ -1,10 +1,18 @@
-"""Run the gateway's private nginx: apply a policy as a transaction, start, reload, stop.
+"""Run the gateway's private nginx: apply a policy and a runtime, start, reload, stop.
 
-A reload is a transaction (the ingress-nginx controller's shape): render, compare
-with what is installed, ``nginx -t`` on a staged copy, atomic rename into
-``conf/``, then start or ``nginx -s reload``. A config that ``nginx -t`` rejects
-never replaces the running one; the config that ran before the last change is
-kept as ``conf/*.last-good``.
+Two kinds of change (the ingress-nginx controller's shape):
+
+* the *static* files (``conf/nginx.conf``, ``conf/kvgate.json``: listeners, pools, timeouts …)
+  change through a reload transaction: render, compare with what is installed, ``nginx -t``
+  on a staged copy, atomic rename into ``conf/``, then start or ``nginx -s reload``, confirmed
+  by the health digest. A config that ``nginx -t`` rejects never replaces the running one; the
+  config that ran before the last change is kept as ``conf/*.last-good`` and put back when the
+  reload fails.
+* the *runtime* (weights, node states, balancer per pool, cache namespace:
+  :func:`kvgate.render.runtime_document`) is pushed to the gateway's loopback-only internal
+  listener (:mod:`kvgate.gateway.dynamic`) without a reload. ``conf/runtime.json`` holds it too,
+  written before every start, reload and push, so a gateway that (re)loads serves the current
+  runtime from its first request.
 
 nginx runs as a daemon (the master re-parents to init), started with
 ``nginx -p PREFIX -c conf/nginx.conf``; its pid is read from ``logs/nginx.pid``.
@@ -12,6 +20,7 @@ nginx runs as a daemon (the master re-parents to init), started with
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -22,15 +31,27 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import psutil
 
+from .gateway import dynamic
 from .policy.model import Policy
-from .render import Runtime, default_lua_dir, render
+from .render import Runtime, default_lua_dir, render, runtime_document, runtime_json
 
 CONF = "conf/nginx.conf"
 DATA = "conf/kvgate.json"
+RUNTIME = "conf/runtime.json"
+"""The runtime in force (or being pushed): read by the gateway's ``init_by_lua`` at every load."""
+SECRET = "conf/push.secret"
+"""The internal listener's push secret (0600, created once, kept across reloads)."""
 _DIRS = ("conf", "logs", "tmp")
+PUSH_SETTLE_S = 0.3
+"""How long :meth:`Nginx.apply` waits after a push before it returns ``"pushed"``: every worker
+checks the shared dict's version every 0.2 s (``lua/kvgate/config.lua`` ``SYNC_S``), so once this
+has passed each one routes on the new runtime, as after a confirmed reload."""
+CONFIRM_S = 10.0
+"""How long a started or reloaded gateway may take to answer ``GET /kvgate/config`` (seconds)."""
 
 
 class NginxError(RuntimeError):
@@ -68,6 +89,7 @@ class Nginx:
         self.lua_dir = Path(lua_dir).resolve() if lua_dir else default_lua_dir()
         self.listen: str | None = None
         self.digest: str | None = None
+        self.internal_listen: str | None = None
 
     # ----------------------------------------------------------------- helpers
     def _dirs(self) -> None:
@@ -132,64 +154,156 @@ class Nginx:
             name = rel.removeprefix("conf/")
             (conf_dir / name).write_text(text)
 
+    def push_secret(self) -> str:
+        """The internal listener's secret from ``conf/push.secret``, created (0600) on first use.
+        Raises :class:`NginxError` when the file cannot be created or read."""
+        self._dirs()
+        try:
+            return dynamic.ensure_secret(self.prefix / SECRET)
+        except (OSError, ValueError) as exc:
+            raise NginxError(f"push secret: {exc}") from None
+
+    def render(self, policy: Policy) -> dict[str, str]:
+        """The static files for ``policy`` with this gateway's push secret (see :func:`kvgate.render.render`)."""
+        return render(policy, self.lua_dir, push_secret_sha256=dynamic.secret_sha256(self.push_secret()))
+
     def apply(self, policy: Policy, runtime: Runtime | None = None, start: bool = True) -> str:
-        """Make nginx run ``policy`` (with the control plane's ``runtime`` weights, if given).
+        """Make nginx run ``policy`` with the control plane's ``runtime`` (None: the policy as written).
+
+        The static files go through the reload transaction when they differ from the installed
+        ones (or nginx is not running); otherwise a runtime that differs from the one in force is
+        pushed, without a reload.
 
         Args:
             start: start nginx when it is not running; with False (another process runs
                 nginx, e.g. a compose service) the tested config is only written.
 
         Returns:
-            ``"unchanged"`` (already running this exact config), ``"started"``, ``"reloaded"``
-            or ``"written"`` (not running and ``start`` is False).
+            ``"unchanged"`` (already running this config and runtime), ``"pushed"`` (the runtime
+            changed: in force in every worker within 0.2 s), ``"started"``, ``"reloaded"`` or
+            ``"written"`` (not running and ``start`` is False).
 
         Raises:
-            NginxError: ``nginx -t`` refused the config (the running one is untouched),
-                or nginx failed to start/reload.
+            NginxError: ``nginx -t`` refused the config (the running one is untouched), nginx
+                failed to start/reload (the last good files are back), or the gateway refused or
+                did not take a push (the message is the gateway's; the runtime in force stays).
         """
-        files = render(policy, self.lua_dir, runtime)
+        files = self.render(policy)
+        doc = runtime_document(policy, runtime)
+        doc_text = runtime_json(doc)
         running = self.pid() is not None
         installed = self._installed()
-        if running and all(installed.get(rel) == text for rel, text in files.items()):
-            self.listen = policy.gateway.listen
-            self.digest = json.loads(files[DATA])["digest"]
-            return "unchanged"
+        digest = json.loads(files[DATA])["digest"]
+        if running and installed.get(CONF) == files[CONF] and _digest_of(installed.get(DATA)) == digest:
+            self.listen, self.digest = policy.gateway.listen, digest
+            self.internal_listen = policy.gateway.internal_listen
+            if installed.get(DATA) != files[DATA]:
+                # only the runtime's defaults differ: read at the next load, after runtime.json
+                self._install({DATA: files[DATA]})
+            return self._push(doc, doc_text)
         self.test(files)
-        previous = (self.listen, self.digest)
+        previous = (self.listen, self.digest, self.internal_listen)
         # reload()/start() wait for this config's digest on its address
-        self.listen = policy.gateway.listen
-        self.digest = json.loads(files[DATA])["digest"]
-        conf_dir = self.prefix / "conf"
+        self.listen, self.digest = policy.gateway.listen, digest
+        self.internal_listen = policy.gateway.internal_listen
+        old_runtime = self._read(RUNTIME)
         if running:
             for rel, old in installed.items():
                 if old is not None:
                     (self.prefix / (rel + ".last-good")).write_text(old)
-        # stage next to the target so os.replace is an atomic rename on one file system
-        for rel, text in files.items():
-            target = self.prefix / rel
-            tmp = conf_dir / (target.name + ".new")
-            tmp.write_text(text)
-            os.replace(tmp, target)
+        # the runtime first: the new config's init_by_lua seeds its workers from it
+        self._install({RUNTIME: doc_text, **files})
         if running:
             try:
                 self.reload()
+                self._confirm(doc, doc_text)
             except NginxError:
-                self._rollback(installed)
-                self.listen, self.digest = previous
+                self._rollback(installed, old_runtime)
+                self.listen, self.digest, self.internal_listen = previous
                 raise
             return "reloaded"
         if not start:
             return "written"
         self.start()
+        self._confirm(doc, doc_text)
         return "started"
 
-    def _rollback(self, installed: dict[str, str | None]) -> None:
-        """Put the files that were running back (the master kept running them)."""
-        for rel, old in installed.items():
-            if old is not None:
-                tmp = self.prefix / (rel + ".new")
-                tmp.write_text(old)
-                os.replace(tmp, self.prefix / rel)
+    def runtime_in_force(self) -> dict[str, Any]:
+        """``GET /kvgate/config`` of the running gateway: ``{"version", "digest", "runtime", "loads"}``
+        (``loads`` rises by one at every reload). Raises :class:`NginxError` when it does not answer."""
+        if not self.internal_listen:
+            raise NginxError("no policy applied yet: the internal listener is not known")
+        try:
+            return dynamic.current(self.internal_listen, self.push_secret())
+        except dynamic.PushError as exc:
+            raise NginxError(str(exc)) from None
+
+    def _push(self, doc: dict[str, Any], doc_text: str) -> str:
+        """Push ``doc`` unless it is the runtime in force; ``"pushed"`` or ``"unchanged"``."""
+        assert self.internal_listen
+        secret = self.push_secret()
+        try:
+            in_force = dynamic.current(self.internal_listen, secret)
+        except dynamic.PushError:
+            in_force = None  # the push says why
+        if in_force is not None and _same_runtime(in_force, doc, doc_text):
+            if self._read(RUNTIME) != doc_text:
+                self._install({RUNTIME: doc_text})
+            return "unchanged"
+        old_runtime = self._read(RUNTIME)
+        self._install({RUNTIME: doc_text})
+        try:
+            dynamic.push(self.internal_listen, secret, doc_text)
+        except dynamic.PushError as exc:
+            # runtime.json says what the gateway runs: the next load must not take the refused one
+            kept = runtime_json(in_force["runtime"]) if in_force is not None else old_runtime
+            if kept is not None:
+                self._install({RUNTIME: kept})
+            raise NginxError(f"runtime not pushed, the one in force keeps serving: {exc}") from None
+        time.sleep(PUSH_SETTLE_S)
+        return "pushed"
+
+    def _confirm(self, doc: dict[str, Any], doc_text: str) -> None:
+        """After a start or reload: wait until the gateway answers ``GET /kvgate/config`` and
+        runs ``doc``, pushing it once if a load took another runtime. Raises :class:`NginxError`."""
+        assert self.internal_listen
+        secret = self.push_secret()
+        deadline = time.monotonic() + CONFIRM_S
+        while True:
+            try:
+                in_force = dynamic.current(self.internal_listen, secret)
+                break
+            except dynamic.PushError as exc:
+                if time.monotonic() > deadline or self.pid() is None:
+                    raise NginxError(f"the gateway's internal listener does not answer: {exc}\n"
+                                     + _emerg(self.error_log_tail())) from None
+                time.sleep(0.05)
+        if _same_runtime(in_force, doc, doc_text):
+            return
+        try:
+            dynamic.push(self.internal_listen, secret, doc_text)
+        except dynamic.PushError as exc:
+            raise NginxError(f"the reloaded gateway does not run the current runtime: {exc}") from None
+
+    def _read(self, rel: str) -> str | None:
+        p = self.prefix / rel
+        return p.read_text() if p.exists() else None
+
+    def _install(self, files: dict[str, str]) -> None:
+        """Write each file atomically: staged next to its target (one file system), then renamed."""
+        self._dirs()
+        for rel, text in files.items():
+            target = self.prefix / rel
+            tmp = target.with_name(target.name + ".new")
+            tmp.write_text(text)
+            os.replace(tmp, target)
+
+    def _rollback(self, installed: dict[str, str | None], old_runtime: str | None = None) -> None:
+        """Put the files that were running back (the master kept running them), the runtime too."""
+        back = {rel: old for rel, old in installed.items() if old is not None}
+        if old_runtime is not None:
+            back[RUNTIME] = old_runtime
+        self._install(back)
         self.digest = None
         res = self._run("-s", "reload")
         if res.returncode != 0:
@@ -284,6 +398,21 @@ class Nginx:
                 break
             time.sleep(0.05)
         raise NginxError(f"gateway on {listen} is not answering:\n" + _emerg(self.error_log_tail()))
+
+
+def _digest_of(text: str | None) -> str | None:
+    """The ``digest`` of an installed kvgate.json (None: missing or not kvgate's)."""
+    try:
+        data = json.loads(text) if text is not None else None
+    except ValueError:
+        return None
+    return data.get("digest") if isinstance(data, dict) else None
+
+
+def _same_runtime(in_force: dict[str, Any], doc: dict[str, Any], doc_text: str) -> bool:
+    """Whether the gateway's answer to ``GET /kvgate/config`` is the runtime ``doc``: the same stored
+    bytes (sha256 of ``doc_text``), or the same document."""
+    return in_force.get("digest") == hashlib.sha256(doc_text.encode()).hexdigest() or in_force.get("runtime") == doc
 
 
 def _alive(pid: int) -> bool:

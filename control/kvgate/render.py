@@ -1,17 +1,31 @@
-"""Render a :class:`~kvgate.policy.model.Policy` into the gateway's nginx files.
+"""Render a :class:`~kvgate.policy.model.Policy` into the gateway's nginx files, and the
+runtime the control plane pushes on top of them.
 
-Two files come out, both relative to the nginx prefix:
+Two kinds of config, as in ingress-nginx:
+
+*Static* files (:func:`render`), relative to the nginx prefix, changed only through the reload
+transaction (:meth:`kvgate.nginxctl.Nginx.apply`):
 
 ``conf/nginx.conf``
     from the Jinja2 templates in the repo's ``nginx/`` folder: absolute module
     paths (``/usr/lib/nginx/modules/...``, a ``-p`` prefix would otherwise be
     prepended), pid and error log under ``logs/``, every temp path under ``tmp/``,
-    ``lua_package_path "<lua_dir>/?.lua;;"``, one ``upstream pool_<name>`` per pool.
+    ``lua_package_path "<lua_dir>/?.lua;;"``, one ``upstream pool_<name>`` per pool, the
+    client listener and the loopback-only internal listener (``gateway.internal_listen``).
 ``conf/kvgate.json``
     the data-path config the Lua modules read once in ``init_by_lua`` (see
     ``lua/kvgate/config.lua``): pools, model → pool, node address → node id, cache,
-    Redis, limits, and a ``digest`` of both files that ``GET /kvgate/health``
-    reports, so a caller can tell when a reload has taken effect.
+    Redis, limits, ``internal.push_secret_sha256``, and a ``digest`` that ``GET
+    /kvgate/health`` reports, so a caller can tell when a reload has taken effect.
+
+Neither depends on a :class:`Runtime`: node weights, node states, the balancer in force per
+pool and the cache namespace version are the *runtime* (:func:`runtime_document`), pushed to
+``POST /kvgate/config`` on the internal listener without a reload and written to
+``conf/runtime.json`` before every start, reload and push (the gateway seeds its runtime from
+that file when it loads). kvgate.json keeps the policy's base weight per node, balancer per
+pool and namespace version only as the defaults the Lua uses when no ``runtime.json`` exists;
+they are left out of the ``digest`` (:func:`static_digest`), so a policy that changes only
+those is a push too.
 
 Rendering is deterministic but not pure: it resolves host names with
 ``getaddrinfo`` (node hosts, so ``$upstream_addr`` maps back to node ids; the Redis
@@ -35,43 +49,78 @@ from typing import Any
 import jinja2
 
 from . import paths
+from .fleet.weights import WEIGHT_SCALE  # noqa: F401 - the weight arithmetic's one home; re-exported
 from .policy.model import Policy
 
 TENANT = "default"
 """Tenant of every request until authentication names one (part of every cache key)."""
 
-WEIGHT_SCALE = 100
-"""nginx ``weight=`` units per 1.0 of policy base weight: the control plane's capacity, load
-and ramp factors are fractions, and nginx weights are integers. Ketama gives a server
-``160 × weight`` points, each derived from the previous one, so raising one node's weight
-only adds that node's points: keys move to it and nowhere else."""
-
 
 @dataclass(frozen=True)
 class Runtime:
-    """What the control plane changes on top of a policy, in the rendered config.
+    """What the control plane changes on top of a policy: the gateway's runtime, pushed
+    without a reload (:func:`runtime_document`).
 
     Attributes:
-        weights: node id → nginx ``weight=`` (units of ``1/WEIGHT_SCALE`` of base weight 1);
-            ``0`` renders the server as ``down`` (it keeps its place, so only its own keys
-            move to their next nodes on the ring). A node not in the map gets
+        weights: node id → nginx-scale weight (units of ``1/WEIGHT_SCALE`` of base weight 1);
+            ``0`` = not taking traffic (the node keeps its place on the ring, so only its own
+            keys move to their next nodes). A node not in the map gets
             ``policy weight × WEIGHT_SCALE``.
         balancers: pool name → balancer in force (overload degrade switches a pool to
             ``least_conn``); pools not in the map use the policy's balancer.
         namespace_version: the response cache's namespace version in force when higher than
             the policy's: the control plane never lets it go back (a rollback or an older policy
             file would otherwise make invalidated entries readable again); None = the policy's.
+        states: node id → the control plane's state name (``active``, ``draining`` …), shown by
+            ``GET /kvgate/config``; the data path routes on the weight alone. A node not in the
+            map reads ``active`` when its weight is above 0, else ``down``.
     """
 
     weights: Mapping[str, int] = field(default_factory=dict)
     balancers: Mapping[str, str] = field(default_factory=dict)
     namespace_version: int | None = None
+    states: Mapping[str, str] = field(default_factory=dict)
 
     def weight(self, node_id: str, base: int) -> int:
         return int(self.weights.get(node_id, base * WEIGHT_SCALE))
 
     def balancer(self, pool_name: str, configured: str) -> str:
         return self.balancers.get(pool_name, configured)
+
+    def state(self, node_id: str, weight: int) -> str:
+        return str(self.states.get(node_id) or ("active" if weight > 0 else "down"))
+
+
+def runtime_document(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any]:
+    """The runtime as the gateway takes it: the body of ``POST /kvgate/config`` and the content
+    of ``conf/runtime.json``.
+
+    Shape (every pool and node of the policy, no others)::
+
+        {"pools": {"<pool>": {"balancer": "chash" | "round_robin" | "least_conn",
+                              "nodes": {"<node id>": {"weight": int >= 0, "state": str}}}},
+         "cache": {"namespace_version": int >= 1}}
+
+    ``runtime=None`` is the policy as written: every node ``active`` at its base weight × 100.
+    The namespace version is the higher of the policy's and the runtime's."""
+    runtime = runtime or Runtime()
+    pools: dict[str, Any] = {}
+    for pool in policy.pools:
+        nodes: dict[str, Any] = {}
+        for n in pool.nodes:
+            w = max(0, runtime.weight(n.id, n.weight))
+            nodes[n.id] = {"weight": w, "state": runtime.state(n.id, w)}
+        pools[pool.name] = {"balancer": runtime.balancer(pool.name, pool.balancer), "nodes": nodes}
+    return {
+        "pools": pools,
+        "cache": {"namespace_version": max(policy.cache.namespace_version, runtime.namespace_version or 0)},
+    }
+
+
+def runtime_json(doc: Mapping[str, Any]) -> str:
+    """The bytes sent and written for a runtime document: compact JSON, sorted keys (the same
+    document always gives the same text, and so the same sha256)."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
 TEMPLATE_DIR = paths.template_dir()  # $KVGATE_HOME/nginx or the package's share/nginx (kvgate.paths)
@@ -169,12 +218,16 @@ def redis_host(policy: Policy) -> str:
     return ips[0]
 
 
-def data_config(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any]:
-    """The ``kvgate.json`` content (without its ``digest``) as a dict.
+def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
+    """The ``kvgate.json`` content (without its ``digest`` and ``lua_digest``) as a dict.
+
+    Per pool ``balancer`` and per node ``weight`` are the policy's (base weight ×
+    ``WEIGHT_SCALE``), as is ``cache.namespace_version``: the defaults of a gateway without
+    ``conf/runtime.json`` (:data:`RUNTIME_DEFAULTS`). ``internal.push_secret_sha256``: sha256 hex
+    of the push secret the internal listener accepts (``""``: none, every push is refused).
 
     Resolves host names (see :func:`redis_host`); raises ``ValueError`` when the Redis
     host does not resolve."""
-    runtime = runtime or Runtime()
     pools: dict[str, Any] = {}
     models: dict[str, str] = {}
     nodes_by_addr: dict[str, str] = {}
@@ -183,12 +236,13 @@ def data_config(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any
         pools[pool.name] = {
             "name": pool.name,
             "upstream": f"pool_{pool.name}",
-            "balancer": runtime.balancer(pool.name, pool.balancer),
+            "balancer": pool.balancer,  # default only: the runtime's is in force
             "affinity": list(pool.affinity),
             "session_header": pool.session_header,
             "prefix_chars": pool.prefix_chars,
             # peer: where the Lua balancer connects; the ring is built from id and weight
-            "nodes": [{"id": n.id, "address": n.address, "weight": runtime.weight(n.id, n.weight),
+            # (weight: the default only, the runtime's is in force)
+            "nodes": [{"id": n.id, "address": n.address, "weight": n.weight * WEIGHT_SCALE,
                        "peer": peers[n.id]}
                       for n in pool.nodes],
             "capture": {
@@ -226,11 +280,12 @@ def data_config(policy: Policy, runtime: Runtime | None = None) -> dict[str, Any
             "enabled": policy.cache.enabled,
             "ttl_s": policy.cache.ttl_s,
             "max_entry_bytes": policy.cache.max_entry_bytes,
-            "namespace_version": max(policy.cache.namespace_version, runtime.namespace_version or 0),
+            "namespace_version": policy.cache.namespace_version,  # default only (runtime.json)
             # lowercase, in the policy's order: ngx.req.get_headers() keys are lowercase (the
             # names also enter the credential digest, so the policy's spelling does not)
             "credential_headers": [h.lower() for h in policy.cache.credential_headers],
         },
+        "internal": {"push_secret_sha256": push_secret_sha256},
         "redis": {
             "host": redis_host(policy),
             "port": policy.redis.port,
@@ -265,30 +320,63 @@ def lua_digest(lua_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def upstream_pools(policy: Policy, runtime: Runtime | None = None) -> list[dict[str, Any]]:
-    """The pools as the upstream template sees them: balancer in force and per server its
-    address, node id and nginx weight (``0`` = ``down``)."""
-    runtime = runtime or Runtime()
+RUNTIME_DEFAULTS = ("pools.*.balancer", "pools.*.nodes[].weight", "cache.namespace_version")
+"""Fields of kvgate.json that are only the runtime's defaults: left out of :func:`static_digest`."""
+
+
+def static_identity(data: Mapping[str, Any]) -> dict[str, Any]:
+    """kvgate.json's content without ``digest`` and the :data:`RUNTIME_DEFAULTS`: what a change
+    of must reload nginx."""
+    out = json.loads(json.dumps({k: v for k, v in data.items() if k != "digest"}))
+    for pool in (out.get("pools") or {}).values():
+        if isinstance(pool, dict):
+            pool.pop("balancer", None)
+            for node in pool.get("nodes") or []:
+                if isinstance(node, dict):
+                    node.pop("weight", None)
+    if isinstance(out.get("cache"), dict):
+        out["cache"].pop("namespace_version", None)
+    return out
+
+
+def static_digest(conf: str, data: Mapping[str, Any]) -> str:
+    """sha256 (16 hex digits) over ``nginx.conf`` and :func:`static_identity` of kvgate.json: the
+    ``digest`` that ``GET /kvgate/health`` reports. Two renders with the same digest differ at most
+    in the runtime's defaults, which never need a reload."""
+    body = json.dumps(static_identity(data), sort_keys=True, indent=2)
+    return hashlib.sha256((conf + "\0" + body).encode()).hexdigest()[:16]
+
+
+def upstream_pools(policy: Policy) -> list[dict[str, Any]]:
+    """The pools as the upstream template sees them: name, models and per server its node id,
+    address and ``peer`` (:func:`node_peer`: one resolved ``IP:PORT``, or ``HOST:PORT`` as written
+    when it does not resolve, which then fails ``nginx -t``). The ``server`` line is the peer, so
+    nginx gives the request exactly one try per node (a name resolving to IPv4 and IPv6 would give
+    two), which the Lua balancer counts on when it takes the retry away from a pool with one node
+    taking traffic. No balancer, weight or state: those are the runtime's, applied in
+    ``balancer_by_lua`` (a change of them must never change nginx.conf)."""
     return [
         {
             "name": pool.name,
             "models": pool.models,
-            "balancer": runtime.balancer(pool.name, pool.balancer),
-            "nodes": [{"id": n.id, "address": n.address, "weight": runtime.weight(n.id, n.weight)}
-                      for n in pool.nodes],
+            "nodes": [{"id": n.id, "address": n.address, "peer": node_peer(n.host, n.port)} for n in pool.nodes],
         }
         for pool in policy.pools
     ]
 
 
-def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None) -> dict[str, str]:
-    """Render the gateway config for ``policy``.
+def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None, *,
+           push_secret_sha256: str = "") -> dict[str, str]:
+    """Render the gateway's static config for ``policy``.
 
     Args:
         policy: a validated policy.
         lua_dir: folder holding ``kvgate/*.lua`` (made absolute).
-        runtime: the control plane's live weights, down nodes and balancer switches;
-            ``None`` renders the policy as written (every node up at its base weight).
+        runtime: ignored: the static files never depend on the runtime (see
+            :func:`runtime_document`); kept so older callers need no change.
+        push_secret_sha256: sha256 hex of the internal listener's push secret
+            (:class:`kvgate.nginxctl.Nginx` passes its ``conf/push.secret``'s); ``""`` renders a
+            gateway that refuses every push (fine for ``nginx -t``).
 
     Returns:
         ``{"conf/nginx.conf": text, "conf/kvgate.json": text}``, paths relative to
@@ -297,21 +385,21 @@ def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None) -> dic
     Raises:
         ValueError: ``redis.url`` names a host that does not resolve.
     """
+    del runtime
     lua_dir = Path(lua_dir).resolve()
     gw = policy.gateway
     conf = _env().get_template("nginx.conf.j2").render(
         gw=gw,
-        pools=upstream_pools(policy, runtime),
+        pools=upstream_pools(policy),
         lua_dir=str(lua_dir),
         connect_timeout=_seconds(gw.connect_timeout_s),
         read_timeout=_seconds(gw.read_timeout_s),
     )
-    data = data_config(policy, runtime)
+    data = data_config(policy, push_secret_sha256)
     # The Lua modules are loaded once per (re)load, so a changed module must count as a
     # changed config: otherwise `kvgate up` after an upgrade would keep the old code.
     data["lua_digest"] = lua_digest(lua_dir)
-    body = json.dumps(data, sort_keys=True, indent=2)
-    data["digest"] = hashlib.sha256((conf + "\0" + body).encode()).hexdigest()[:16]
+    data["digest"] = static_digest(conf, data)
     return {
         "conf/nginx.conf": conf,
         "conf/kvgate.json": json.dumps(data, sort_keys=True, indent=2) + "\n",

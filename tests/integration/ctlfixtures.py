@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from gwfixtures import free_port, kvgate_cli
+from kvgate.gateway import dynamic
 
 MODEL = "m"
 
@@ -88,6 +89,18 @@ class Fleet:
             if line.startswith("kvgate_control_tick_errors_total "):
                 return float(line.split()[1])
         return 0.0
+
+    def in_force(self) -> dict[str, Any]:
+        """The gateway's ``GET /kvgate/config``: ``{"version", "digest", "runtime", "loads"}``."""
+        secret = (self.run_dir / "nginx/conf/push.secret").read_text().strip()
+        return dynamic.current(f"127.0.0.1:{self.internal_port}", secret)
+
+    def weight_in_force(self, node_id: str) -> int:
+        """The node's weight in the gateway's runtime in force (0: takes no traffic)."""
+        for pool in self.in_force()["runtime"]["pools"].values():
+            if node_id in pool["nodes"]:
+                return int(pool["nodes"][node_id]["weight"])
+        raise KeyError(node_id)
 
     def node(self, node_id: str) -> dict[str, Any]:
         r = self.api("GET", f"/api/v1/nodes/{node_id}")

@@ -91,7 +91,10 @@ def test_drain_under_load_loses_nothing_and_moves_only_its_keys(control_fleet):
 
 @pytest.mark.parametrize("keepalive", [0, 75])
 def test_reload_storm_under_streaming_load_fails_nothing(control_fleet, keepalive):
-    """Weights change every 0.5 s for 30 s while 12 clients stream without pause.
+    """Weights and a timeout change every 0.5 s for 30 s while 12 clients stream without pause.
+
+    A weight alone is pushed without a reload (tests/integration/test_control_dynamic.py): the
+    connect timeout, a static setting, alternates too, so every apply reloads nginx.
 
     With client keep-alive off, the strict client (no retries) sees 0 failures. With keep-alive
     on, an old worker closing an idle connection at the instant a client reuses it resets that
@@ -131,8 +134,10 @@ def test_reload_storm_under_streaming_load_fails_nothing(control_fleet, keepaliv
         while time.monotonic() < t_end:
             t = time.monotonic()
             weights = {"n1": 1 + i % 3, "n2": 1 + (i + 1) % 4, "n3": 1 + (i * 2) % 5}
-            r = fleet.api("PUT", "/api/v1/policy", data=fleet.render(weights=weights),
-                          headers={"Content-Type": "application/yaml"})
+            timeout = f", connect_timeout_s: {1.0 + i % 2}"  # structural: a reload
+            r = fleet.api("PUT", "/api/v1/policy", data=fleet.render(
+                weights=weights, gateway_extra=f", client_keepalive_timeout_s: {keepalive}{timeout}"),
+                headers={"Content-Type": "application/yaml"})
             assert r.status_code == 200, r.text
             applied += r.json()["changed"]
             i += 1

@@ -96,7 +96,10 @@ def test_inflight_gauge_counts_streams_across_a_reload(start_sims, start_redis, 
         text = requests.get(gw.url + "/metrics", timeout=5).text
         assert f"# TYPE {GAUGE} gauge" in text
 
-        assert gw.nginx.apply(gw.policy.with_balancer("round_robin")) == "reloaded"
+        # a balancer switch alone is pushed (no reload); the read timeout is static: a reload
+        reloaded = gw.policy.with_balancer("round_robin")
+        reloaded = reloaded.model_copy(update={"gateway": reloaded.gateway.model_copy(update={"read_timeout_s": 31})})
+        assert gw.nginx.apply(reloaded) == "reloaded"
         done_before = sum(not t.is_alive() for t in threads)
         after_reload = _gauge(gw)
         done_after = sum(not t.is_alive() for t in threads)

@@ -113,7 +113,9 @@ def test_reload_keeps_serving(start_sims, start_redis, start_gateway) -> None:
     sims = start_sims(2, prefix="r")
     gw = start_gateway(sims, start_redis())
     assert _node(gw.chat("x", max_tokens=1))
+    # the balancer alone is the runtime's (pushed); with a static change it goes through a reload
     new_policy = gw.policy.with_balancer("round_robin")
+    new_policy = new_policy.model_copy(update={"gateway": new_policy.gateway.model_copy(update={"read_timeout_s": 31})})
     assert gw.nginx.apply(new_policy) == "reloaded"
     assert gw.nginx.apply(new_policy) == "unchanged"
     assert (gw.nginx.prefix / "conf/nginx.conf.last-good").read_text().count('require("kvgate.balancer").balance(') == 1

@@ -453,9 +453,10 @@ def test_compose_policy_renders_where_the_service_names_resolve(monkeypatch: pyt
     assert f"listen {POLICY.gateway.listen};" in conf
     data = yaml.safe_load(files["conf/kvgate.json"])          # JSON is YAML
     for node in POLICY.nodes():
-        assert f"server {node.address} " in conf
-        # the Lua chash balancer connects to the address the service name resolved to
+        # the Lua balancer connects to the address the service name resolved to; the server line
+        # is that peer (one try per node), without weight or state (the runtime's)
         peer = f"{addresses[node.host]}:{node.port}"
+        assert f"server {peer};  # {node.id}" in conf
         assert data["nodes_by_addr"][peer] == node.id
         assert {"id": node.id, "peer": peer}.items() <= next(
             n for n in data["pools"][POLICY.pools[0].name]["nodes"] if n["id"] == node.id).items()

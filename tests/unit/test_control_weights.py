@@ -25,7 +25,7 @@ from kvgate.fleet.weights import (
 from kvgate.nginxctl import Nginx
 from kvgate.policy.loader import parse_policy
 from kvgate.policy.model import WeightsConfig
-from kvgate.render import WEIGHT_SCALE, Runtime, default_lua_dir, render
+from kvgate.render import WEIGHT_SCALE, Runtime, default_lua_dir, render, runtime_document
 
 needs_nginx = pytest.mark.skipif(shutil.which("nginx") is None and shutil.which("nginx", path="/usr/sbin") is None,
                                  reason="nginx not installed")
@@ -230,23 +230,30 @@ def test_runtime_for_states() -> None:
 
 
 def test_weight_zero_renders_down() -> None:
-    files = render(_policy(), default_lua_dir(), Runtime(weights={"a": 150, "b": 0}))
+    # weights are the runtime's (pushed to the gateway, conf/runtime.json), never nginx.conf's
+    runtime = Runtime(weights={"a": 150, "b": 0})
+    files = render(_policy(), default_lua_dir(), runtime)
+    assert files == render(_policy(), default_lua_dir())
     up = _upstream(files["conf/nginx.conf"])
-    assert "server 127.0.0.1:9001 weight=150 max_fails=1 fail_timeout=10s;" in up
-    assert re.search(r"^\s*server 127\.0\.0\.1:9002 down;", up, re.M), up
-    assert "9002 weight" not in up
+    assert "weight=" not in up and " down" not in up
+    assert re.search(r"^\s*server 127\.0\.0\.1:9002;", up, re.M), up
+    nodes = runtime_document(_policy(), runtime)["pools"]["p1"]["nodes"]
+    assert nodes["a"] == {"weight": 150, "state": "active"}
+    assert nodes["b"] == {"weight": 0, "state": "down"}
     # c is not in the runtime: its policy weight × WEIGHT_SCALE
-    assert "server 127.0.0.1:9003 weight=100 " in up
-    data = json.loads(files["conf/kvgate.json"])
-    assert {n["id"]: n["weight"] for n in data["pools"]["p1"]["nodes"]} == {"a": 150, "b": 0, "c": 100}
+    assert nodes["c"]["weight"] == 100
+    assert {n: v["weight"] for n, v in nodes.items()} == {"a": 150, "b": 0, "c": 100}
 
 
 def test_balancer_override_renders_least_conn() -> None:
+    # every balancer runs in Lua, chosen by name from the runtime: the override is pushed
     files = render(_policy(), default_lua_dir(), Runtime(balancers={"p1": "least_conn"}))
     up = _upstream(files["conf/nginx.conf"])
-    assert "least_conn;" in up and "hash " not in up and "balancer_by_lua" not in up
-    assert json.loads(files["conf/kvgate.json"])["pools"]["p1"]["balancer"] == "least_conn"
-    # without the override the policy's chash is rendered (the Lua ring)
+    assert "least_conn;" not in up and "hash " not in up and 'require("kvgate.balancer").balance("p1")' in up
+    assert runtime_document(_policy(), Runtime(balancers={"p1": "least_conn"}))["pools"]["p1"]["balancer"] == "least_conn"
+    # without the override the policy's chash is in force (the Lua ring)
+    assert runtime_document(_policy())["pools"]["p1"]["balancer"] == "chash"
+    assert json.loads(files["conf/kvgate.json"])["pools"]["p1"]["balancer"] == "chash"  # the default only
     assert 'require("kvgate.balancer").balance("p1")' in _upstream(
         render(_policy(), default_lua_dir())["conf/nginx.conf"])
 

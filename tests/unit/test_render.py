@@ -12,7 +12,8 @@ import pytest
 
 from kvgate.nginxctl import Nginx, NginxError
 from kvgate.policy.loader import load_policy, parse_policy
-from kvgate.render import Runtime, default_lua_dir, render
+from kvgate.render import (Runtime, data_config, default_lua_dir, render, runtime_document, runtime_json,
+                           static_digest, static_identity)
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "policies" / "demo.yaml"
@@ -75,8 +76,11 @@ def test_chash_upstream_with_weights() -> None:
     # the Lua ring (kvgate.balancer.chash) picks the node; the server lines stay for nginx -t
     assert 'require("kvgate.balancer").balance("p1")' in up
     assert "hash $kvgate_route_key" not in up
-    assert "server 127.0.0.1:9001 weight=300 max_fails=1 fail_timeout=10s;" in up
-    assert "server 127.0.0.1:9002 weight=100 max_fails=1 fail_timeout=10s;" in up
+    # one server line per node (nginx -t checks the hosts), without weight or down: the weights
+    # (300 and 100 here) are the runtime's, in kvgate.json only as defaults
+    assert "server 127.0.0.1:9001;  # a" in up
+    assert "server 127.0.0.1:9002;  # b" in up
+    assert "weight=" not in up and " down" not in up
     # the balancer directive must precede keepalive
     assert up.index("balancer_by_lua_block") < up.index("keepalive 64;")
     pool = json.loads(files["conf/kvgate.json"])["pools"]["p1"]
@@ -85,9 +89,10 @@ def test_chash_upstream_with_weights() -> None:
         {"id": "a", "address": "127.0.0.1:9001", "peer": "127.0.0.1:9001", "weight": 300},
         {"id": "b", "address": "127.0.0.1:9002", "peer": "127.0.0.1:9002", "weight": 100},
     ]
-    down = render(_policy(), default_lua_dir(), Runtime(weights={"b": 0}))
-    assert "server 127.0.0.1:9002 down;" in _upstream(down["conf/nginx.conf"], "pool_p1")
-    assert json.loads(down["conf/kvgate.json"])["pools"]["p1"]["nodes"][1]["weight"] == 0
+    # a node taken out (weight 0) is the runtime's: pushed, the static files stay as they are
+    down = Runtime(weights={"b": 0})
+    assert render(_policy(), default_lua_dir(), down) == files
+    assert runtime_document(_policy(), down)["pools"]["p1"]["nodes"]["b"] == {"weight": 0, "state": "down"}
 
 
 def test_node_hosts_are_resolved_for_the_lua_balancer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -111,13 +116,26 @@ def test_node_hosts_are_resolved_for_the_lua_balancer(monkeypatch: pytest.Monkey
 
 
 def test_round_robin_and_least_conn() -> None:
+    # every balancer is kvgate.balancer's (Lua), chosen by name from the runtime: the upstream
+    # block is the same for all three, and a switch (overload degrade) is a push
+    ch = _upstream(render(_policy(), default_lua_dir())["conf/nginx.conf"], "pool_p1")
     rr = _upstream(render(_policy(balancer="round_robin"), default_lua_dir())["conf/nginx.conf"], "pool_p1")
-    assert "hash " not in rr and "least_conn" not in rr
+    assert "hash " not in rr and "least_conn;" not in rr  # (the comment names every balancer)
     lc = _upstream(render(_policy(balancer="least_conn"), default_lua_dir())["conf/nginx.conf"], "pool_p1")
-    assert "least_conn;" in lc and "hash " not in lc
+    assert "least_conn;" not in lc and "hash " not in lc
+    assert ch == rr == lc and 'require("kvgate.balancer").balance("p1")' in lc
     assert "hash " not in _upstream(
         render(load_policy(DEMO).with_balancer("round_robin"), default_lua_dir())["conf/nginx.conf"], "pool_default"
     )
+    for name in ("round_robin", "least_conn"):
+        assert json.loads(render(_policy(balancer=name), default_lua_dir())["conf/kvgate.json"])["pools"]["p1"][
+            "balancer"] == name  # the default of a gateway without runtime.json
+        assert runtime_document(_policy(balancer=name))["pools"]["p1"]["balancer"] == name
+        assert runtime_document(_policy(), Runtime(balancers={"p1": name}))["pools"]["p1"]["balancer"] == name
+    # the policy's balancer is a runtime default: changing only it changes no digest
+    digest = {json.loads(render(_policy(balancer=b), default_lua_dir())["conf/kvgate.json"])["digest"]
+              for b in ("chash", "round_robin", "least_conn")}
+    assert len(digest) == 1
 
 
 def test_limits_and_timeouts() -> None:
@@ -218,3 +236,68 @@ def test_failover_retries_posts_that_were_sent() -> None:
     # without non_idempotent nginx never passes a POST on after sending it to a node
     conf = render(load_policy(DEMO), default_lua_dir())["conf/nginx.conf"]
     assert "proxy_next_upstream error timeout http_502 http_503 non_idempotent;" in conf
+
+
+def test_static_files_do_not_depend_on_the_runtime() -> None:
+    # weights, node states, balancer switches and the namespace version are pushed, never rendered
+    p = _policy()
+    plain = render(p, default_lua_dir())
+    busy = Runtime(weights={"a": 0, "b": 17}, balancers={"p1": "least_conn"}, namespace_version=42,
+                   states={"a": "draining", "b": "ramping"})
+    assert render(p, default_lua_dir(), busy) == plain
+
+
+def test_digest_leaves_out_the_runtime_defaults() -> None:
+    # kvgate.json keeps the policy's base weights, balancer and namespace as the Lua's defaults (no
+    # runtime.json yet); a policy changing only those has the same digest: a push, not a reload
+    a = data_config(_policy())
+    b = data_config(parse_policy({"version": 1, "cache": {"namespace_version": 7}, "pools": [{
+        "name": "p1", "models": ["m1", "m2"], "balancer": "round_robin",
+        "nodes": [{"id": "a", "url": "http://127.0.0.1:9001", "weight": 5}, {"id": "b", "url": "http://127.0.0.1:9002"}],
+    }]}))
+    assert a != b
+    assert a["pools"]["p1"]["balancer"] == "chash" and b["pools"]["p1"]["balancer"] == "round_robin"
+    assert [n["weight"] for n in b["pools"]["p1"]["nodes"]] == [500, 100] and b["cache"]["namespace_version"] == 7
+    assert static_identity(a) == static_identity(b)
+    assert static_digest("conf", a) == static_digest("conf", b)
+    assert static_digest("conf", a) != static_digest("conf2", a)
+    # anything else is structural
+    c = data_config(_policy(prefix_chars=4096))
+    assert static_digest("conf", c) != static_digest("conf", a)
+
+
+def test_kvgate_json_carries_the_push_secret_sha256() -> None:
+    files = render(_policy(), default_lua_dir(), push_secret_sha256="ab" * 32)
+    assert json.loads(files["conf/kvgate.json"])["internal"] == {"push_secret_sha256": "ab" * 32}
+    # without a secret: a gateway that refuses every push (fine for nginx -t)
+    assert json.loads(render(_policy(), default_lua_dir())["conf/kvgate.json"])["internal"] == {"push_secret_sha256": ""}
+    assert "ab" * 32 not in files["conf/nginx.conf"]
+
+
+def test_runtime_document_shape() -> None:
+    # the body of POST /kvgate/config and conf/runtime.json: every pool and node, no others
+    p = parse_policy({"version": 1, "cache": {"namespace_version": 3}, "pools": [
+        {"name": "p1", "models": ["m1"], "nodes": [{"id": "a", "url": "http://127.0.0.1:9001", "weight": 3},
+                                                   {"id": "b", "url": "http://127.0.0.1:9002"}]},
+        {"name": "p2", "models": ["m2"], "balancer": "round_robin",
+         "nodes": [{"id": "c", "url": "http://127.0.0.1:9003"}]},
+    ]})
+    assert runtime_document(p) == {
+        "pools": {
+            "p1": {"balancer": "chash", "nodes": {"a": {"weight": 300, "state": "active"},
+                                                  "b": {"weight": 100, "state": "active"}}},
+            "p2": {"balancer": "round_robin", "nodes": {"c": {"weight": 100, "state": "active"}}},
+        },
+        "cache": {"namespace_version": 3},
+    }
+    rt = Runtime(weights={"a": 75, "b": 0, "x": 5}, balancers={"p2": "least_conn"}, namespace_version=9,
+                 states={"a": "ramping", "b": "draining"})
+    doc = runtime_document(p, rt)
+    assert doc["pools"]["p1"]["nodes"] == {"a": {"weight": 75, "state": "ramping"}, "b": {"weight": 0, "state": "draining"}}
+    assert doc["pools"]["p2"] == {"balancer": "least_conn", "nodes": {"c": {"weight": 100, "state": "active"}}}
+    assert doc["cache"] == {"namespace_version": 9}
+    # the namespace never goes below the policy's
+    assert runtime_document(p, Runtime(namespace_version=2))["cache"] == {"namespace_version": 3}
+    # one text per document: sorted keys, compact
+    assert runtime_json(doc) == runtime_json(json.loads(runtime_json(doc)))
+    assert json.loads(runtime_json(doc)) == doc and " " not in runtime_json(doc)
