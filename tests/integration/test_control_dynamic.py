@@ -313,3 +313,43 @@ def test_dynamic_update_storm_under_streams(start_mocks, start_redis, start_gate
     served = {m.node_id: len(m.completions()) for m in mocks}
     print(f"storm: {len(pushed)} runtimes in {STORM_S:.0f}s under {len(results)} streams; 0 failed, 0 truncated; "
           f"served {served}")
+
+
+# --------------------------------------------------------------------------- Nginx.apply
+def test_apply_pushes_refusals_keep_the_runtime_and_the_secret_stays(start_sims, start_gateway):
+    from kvgate.nginxctl import NginxError
+    from kvgate.render import Runtime
+
+    sims = start_sims(2, prefix="a")
+    gw = start_gateway(sims, None)
+    listen, secret = gw.policy.gateway.internal_listen, gw.nginx.push_secret()
+    secret_file = gw.nginx.prefix / "conf/push.secret"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    start = dynamic.current(listen, secret)
+    a, b = (s.node_id for s in sims)
+
+    # a runtime-only change is pushed: version + 1, no load, runtime.json is the one in force
+    assert gw.nginx.apply(gw.policy, Runtime(weights={a: 0})) == "pushed"
+    now = dynamic.current(listen, secret)
+    assert now["version"] == start["version"] + 1 and now["loads"] == start["loads"]
+    assert now["runtime"]["pools"]["default"]["nodes"][a] == {"weight": 0, "state": "down"}
+    assert json.loads((gw.nginx.prefix / "conf/runtime.json").read_text()) == now["runtime"]
+    assert all(gw.chat("where to?", max_tokens=1, headers={"X-Session-Id": f"s{i}"}).headers["X-Kvgate-Node"] == b
+               for i in range(6))
+    assert gw.nginx.apply(gw.policy, Runtime(weights={a: 0})) == "unchanged"
+
+    # a runtime the gateway refuses: NginxError with its message and field; nothing changes
+    with pytest.raises(NginxError, match=r"pools\.default\.nodes\.%s\.weight" % b):
+        gw.nginx.apply(gw.policy, Runtime(weights={a: 0, b: 10**6}))
+    assert dynamic.current(listen, secret)["version"] == now["version"]
+    assert json.loads((gw.nginx.prefix / "conf/runtime.json").read_text()) == now["runtime"]
+
+    # a static change reloads (loads + 1) with the runtime in force kept, and the same secret
+    slower = gw.policy.model_copy(update={"gateway": gw.policy.gateway.model_copy(update={"read_timeout_s": 31})})
+    assert gw.nginx.apply(slower, Runtime(weights={a: 0})) == "reloaded"
+    after = dynamic.current(listen, secret)
+    assert after["loads"] == start["loads"] + 1 and after["runtime"] == now["runtime"]
+    assert gw.nginx.push_secret() == secret
+    # without the secret the internal listener answers nothing
+    with pytest.raises(dynamic.PushRefused, match="401"):
+        dynamic.current(listen, "not-the-secret")
