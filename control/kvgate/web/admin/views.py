@@ -32,14 +32,14 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from flask import Blueprint, Response, flash, g, jsonify, redirect, render_template, request, url_for
+from flask import Blueprint, Response, current_app, flash, g, jsonify, redirect, render_template, request, url_for
 
 from ...control import states as st
 from ...control.plane import ApplyError, Conflict, NodeHasWork, NotFound
 from ...control.store import StoreError
 from ...fleet.events import EventKind
 from ...policy import PolicyError
-from ..auth import actor, csrf, require_admin, sign_in, sign_out, signed_in, is_token
+from ..auth import actor, csrf, is_token, require_admin, sign_in, sign_out, signed_in
 from ..errors import error_page, json_error, lookup, wants_json
 from ..state import services, state
 from .editor import annotate, diff_lines
@@ -89,8 +89,6 @@ def _cookie_policy():
     g.admin_via = None
     policy = services().policy
     if policy is not None:
-        from flask import current_app
-
         current_app.config["SESSION_COOKIE_SECURE"] = policy.control.admin_cookie_secure
 
 
@@ -153,8 +151,6 @@ def login():
     csrf.protect()
     given = request.form.get("token", "").strip()
     if not given or not is_token(given):
-        from flask import current_app
-
         current_app.logger.warning("admin sign-in refused from %s", request.remote_addr)
         return render_template("admin/login.html", next=nxt,
                                error="That is not the admin token. `kvgate token` prints it."), 401
