@@ -6,8 +6,11 @@ Two measurements, printed as one table:
   four static upstream servers (``return 200``, in the same nginx) and two locations in
   front of them: ``/native`` through ``hash $kvgate_route_key consistent`` (what kvgate
   used before its ring moved to Lua) and ``/lua`` through ``kvgate.balancer.chash`` (a
-  ``balancer_by_lua_block`` on the same four nodes), both with ``keepalive`` and the same
-  small ``access_by_lua_block`` that leaves the key where kvgate's access phase does. ``wrk`` sends
+  ``balancer_by_lua_block`` on the same four nodes), both with ``keepalive``, the same
+  small ``access_by_lua_block`` that leaves the key where kvgate's route stage does, and the
+  in-flight count where the gateway keeps it (``/native`` from the response headers, as kvgate
+  counted before the balancer layer; ``/lua`` at the balancer's pick; both released in the
+  log phase). ``wrk`` sends
   a new session key with every request and alternates between the two for ``--rounds``
   rounds of ``--seconds`` each; the table gives the median requests/s of each and the
   nginx worker's CPU time per request (``/proc/PID/stat``; far steadier than requests/s on a
@@ -144,7 +147,16 @@ def _conf(lua_dir: Path, listen: int, backends: list[int], workers: int) -> str:
             ngx.var.kvgate_route_key = key
             require("kvgate.ctx").get().route.key = key
         }}
-        location = /native {{ proxy_pass http://native; }}
+        # the in-flight count, where the gateway keeps it: the native side counted from the
+        # response headers (kvgate before issue 10), the Lua balancer counts at its pick; both
+        # release it in the log phase
+        log_by_lua_block {{ require("kvgate.inflight").finish() }}
+        location = /native {{
+            header_filter_by_lua_block {{
+                require("kvgate.inflight").begin(nil, "bench", ngx.var.upstream_addr)
+            }}
+            proxy_pass http://native;
+        }}
         location = /lua {{ proxy_pass http://lua; }}
     }}""")
 
