@@ -84,6 +84,81 @@ function _M.incr(name, labels, v)
     end
 end
 
+-- A sample's dict key, memoized per worker by its label values (bounded: pools, nodes,
+-- statuses, outcomes, kinds): labels() sorts, escapes and concatenates (~3 µs for five
+-- labels), a lookup in the memo is a few table reads. names: the label names; the key is
+-- built once per distinct tuple of values.
+local function child(t, v)
+    local c = t[v]
+    if c == nil then
+        c = {}
+        t[v] = c
+    end
+    return c
+end
+
+local function memo_key(memo, name, names, a, b, c, d, e)
+    local n = #names
+    local t, last
+    if n == 1 then
+        t, last = memo, a
+    elseif n == 2 then
+        t, last = child(memo, a), b
+    elseif n == 3 then
+        t, last = child(child(memo, a), b), c
+    elseif n == 4 then
+        t, last = child(child(child(memo, a), b), c), d
+    else
+        t, last = child(child(child(child(memo, a), b), c), d), e
+    end
+    local k = t[last]
+    if k == nil then
+        local vals = { a, b, c, d, e }
+        local labels = {}
+        for i = 1, n do
+            labels[names[i]] = vals[i]
+        end
+        k = name .. _M.labels(labels)
+        t[last] = k
+    end
+    return k
+end
+
+--- counter(name, names) -> incr(v, a, b, c, d, e): adds v to the sample whose label values
+-- (in the order of names, at most five, none nil) are a .. e; its key is memoized
+function _M.counter(name, names)
+    local memo = {}
+    return function(v, a, b, c, d, e)
+        local dd = dict()
+        if dd then
+            add(dd, memo_key(memo, name, names, a, b, c, d, e), v)
+        end
+    end
+end
+
+--- histogram(name, names) -> observe(value, a, b, c, d, e): one sample of histogram name
+-- with those label values (as counter())
+function _M.histogram(name, names)
+    local memo = {}
+    return function(value, a, b, c, d, e)
+        local dd = dict()
+        if not dd then
+            return
+        end
+        local l = memo_key(memo, "", names, a, b, c, d, e)
+        local i = NBUCKETS + 1
+        for bi = 1, NBUCKETS do
+            if value <= _M.BUCKETS[bi] then
+                i = bi
+                break
+            end
+        end
+        add(dd, name .. "_count" .. l, 1)
+        add(dd, name .. "_sum" .. l, value)
+        add(dd, name .. "_bucket" .. l .. "#" .. i, 1)
+    end
+end
+
 -- Histogram storage: one non-cumulative counter per bucket, key
 -- `<name>_bucket{labels}#<i>` (i = NBUCKETS + 1: above the last bound), plus
 -- `<name>_sum{labels}` and `<name>_count{labels}`; render() accumulates the buckets.

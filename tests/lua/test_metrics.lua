@@ -87,4 +87,24 @@ H.test("counters and every family's HELP/TYPE", function()
     end
 end)
 
+H.test("counter() and histogram(): the same samples as incr() and observe(), keys memoized", function()
+    for k in pairs(store) do store[k] = nil end
+    local c = metrics.counter("kvgate_requests_total", { "pool", "node", "status", "cache", "route_key_kind" })
+    c(1, "p", "n1", "200", "MISS", "prefix")
+    c(2, "p", "n1", "200", "MISS", "prefix")
+    metrics.incr("kvgate_requests_total", { pool = "p", node = "n1", status = "200", cache = "MISS",
+        route_key_kind = "prefix" })
+    local key = 'kvgate_requests_total{cache="MISS",node="n1",pool="p",route_key_kind="prefix",status="200"}'
+    H.eq(store[key], 4)
+    c(1, "p", "n2", "502", "BYPASS", "session")
+    H.eq(store['kvgate_requests_total{cache="BYPASS",node="n2",pool="p",route_key_kind="session",status="502"}'], 1)
+    local h = metrics.histogram("kvgate_upstream_response_seconds", { "pool", "node" })
+    h(0.02, "p", "n1")
+    metrics.observe("kvgate_upstream_response_seconds", { pool = "p", node = "n1" }, 0.02)
+    H.eq(store['kvgate_upstream_response_seconds_count{node="n1",pool="p"}'], 2)
+    local one = metrics.counter("kvgate_failovers_total", { "pool" })
+    one(1, 'a"b')
+    H.eq(store['kvgate_failovers_total{pool="a\\"b"}'], 1)
+end)
+
 H.done()

@@ -39,6 +39,7 @@ import urllib.request
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import click
 
@@ -77,9 +78,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def chat_body(size: int, temperature: float) -> tuple[str, str]:
-    """(head, tail) of a chat request of about ``size`` bytes whose ``seed`` value goes between
-    them: a system prompt and a user message of English-like ASCII words."""
+def chat_body(size: int, temperature: float, vary: str = "seed") -> tuple[str, str]:
+    """(head, tail) of a chat request of about ``size`` bytes whose ``vary`` field's number goes
+    between them: a system prompt and a user message of English-like ASCII words. ``seed``
+    makes a request cacheable (a new seed: a new cache key); ``max_tokens`` does not."""
     words = ("the quick brown fox jumps over a lazy dog while seven engines share their prefix "
              "cache blocks across every turn of the conversation ").split()
     text, i = [], 0
@@ -92,10 +94,11 @@ def chat_body(size: int, temperature: float) -> tuple[str, str]:
         i += 1
     user = " ".join(text)
     sys_prompt = "You are a helpful assistant. Answer briefly."
-    head = json.dumps({"model": MODEL, "temperature": temperature, "max_tokens": 16,
-                       "messages": [{"role": "system", "content": sys_prompt},
-                                    {"role": "user", "content": user}]}, separators=(",", ":"))
-    head = head[:-1] + ',"seed":'
+    doc: dict = {"model": MODEL, "temperature": temperature, "max_tokens": 16,
+                 "messages": [{"role": "system", "content": sys_prompt}, {"role": "user", "content": user}]}
+    doc.pop(vary, None)
+    head = json.dumps(doc, separators=(",", ":"))
+    head = head[:-1] + f',"{vary}":'
     return head, "}"
 
 
@@ -109,6 +112,9 @@ class Result:
     p50_ms: float
     p99_ms: float
     requests: int
+    cpu_us: float = float("nan")
+    """CPU time of the path's own processes (nginx workers, or the router) per request, µs:
+    far steadier than requests/s on a shared machine."""
 
 
 def _ms(v: str) -> float:
@@ -132,6 +138,25 @@ def run_wrk(url: str, script: Path, seconds: float, connections: int, threads: i
             or "Socket errors" in out.stdout:
         raise RuntimeError(f"wrk against {url} failed:\n{out.stdout}\n{out.stderr}")
     return Result(float(m.group(1)), _ms(p50.group(1)), _ms(p99.group(1)), int(n.group(1)))
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by ``pids`` (``/proc/PID/stat``, all threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def nginx_workers(prefix: Path) -> list[int]:
+    """The worker pids of the nginx whose pid file is under ``prefix``."""
+    master = int((prefix / "logs" / "nginx.pid").read_text())
+    return [int(p) for p in Path(f"/proc/{master}/task/{master}/children").read_text().split()]
 
 
 def _wait_http(url: str, timeout: float, what: str, data: bytes | None = None) -> None:
@@ -168,6 +193,8 @@ class Fleet:
         self.base = base
         self.stack = ExitStack()
         self.upstream_ports = [_free_port() for _ in range(NODES)]
+        self.pids: dict[str, Callable[[], list[int]]] = {}
+        """url key -> the pids whose CPU a path's requests cost"""
 
     def close(self) -> None:
         self.stack.close()
@@ -223,6 +250,8 @@ class Fleet:
     }}"""))
         url = f"http://127.0.0.1:{port}"
         _wait_http(url + "/health", 10, "bare nginx")
+        prefix = self.base / "bare"
+        self.pids["bare"] = lambda: nginx_workers(prefix)
         return url
 
     def start_redis(self) -> str:
@@ -263,6 +292,8 @@ class Fleet:
         self.stack.callback(nginx.stop, timeout=5)
         nginx.apply(policy)
         nginx.wait_ready(policy.gateway.listen)
+        prefix = self.base / "kvgate"
+        self.pids["kvgate"] = lambda: nginx_workers(prefix)
         return f"http://127.0.0.1:{port}"
 
     def start_peer(self, venv: Path, name: str) -> str | None:
@@ -289,6 +320,7 @@ class Fleet:
         url = f"http://127.0.0.1:{port}"
         head, tail = chat_body(256, 0.7)
         _wait_http(url + "/v1/chat/completions", 60, name, data=(head + "1" + tail).encode())
+        self.pids[name] = lambda: [proc.pid]
         return url
 
 
@@ -316,12 +348,13 @@ class Report:
         if not rs:
             return None
         return Result(statistics.median(r.rps for r in rs), statistics.median(r.p50_ms for r in rs),
-                      statistics.median(r.p99_ms for r in rs), sum(r.requests for r in rs))
+                      statistics.median(r.p99_ms for r in rs), sum(r.requests for r in rs),
+                      statistics.median(r.cpu_us for r in rs))
 
 
 def benchmark(seconds: float, rounds: int, connections: int, threads: int, peers_venv: Path | None,
               sizes: list[str], one_seconds: float, lua_dir: Path | None = None,
-              echo=print) -> Report:
+              echo=print, only: tuple[str, ...] = ()) -> Report:
     """Run every path at every size; return the medians' raw material."""
     report = Report()
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-gateway-") as tmp:
@@ -342,7 +375,7 @@ def benchmark(seconds: float, rounds: int, connections: int, threads: int, peers
             scripts: dict[tuple[str, str], Path] = {}
             for size in sizes:
                 for kind, temp, vary in (("miss", 0, True), ("bypass", 0.7, True), ("hit", 0, False)):
-                    head, tail = chat_body(SIZES[size], temp)
+                    head, tail = chat_body(SIZES[size], temp, "max_tokens" if kind == "bypass" else "seed")
                     p = Path(tmp) / f"wrk-{kind}-{size}.lua"
                     p.write_text(WRK_SCRIPT % {"head": _lua_str(head), "tail": _lua_str(tail),
                                                "vary": "true" if vary else "false"})
@@ -365,6 +398,8 @@ def benchmark(seconds: float, rounds: int, connections: int, threads: int, peers
             paths = [("bare", "bare", "bypass"), ("kvgate miss", "kvgate", "miss"),
                      ("kvgate bypass", "kvgate", "bypass"), ("kvgate hit", "kvgate", "hit")]
             paths += [(p, p, "bypass") for p in peers]
+            if only:
+                paths = [p for p in paths if p[0] in only or p[0] == "bare"]
             for size in sizes:  # warm every path (connections, JIT)
                 for label, key, kind in paths:
                     run_wrk(urls[key], scripts[(kind, size)], 1, connections, threads)
@@ -374,14 +409,17 @@ def benchmark(seconds: float, rounds: int, connections: int, threads: int, peers
                         metrics_url = urls["kvgate"] + "/metrics"
                         hits0 = _metric(metrics_url, "kvgate_requests_total", cache="HIT") if kind == "hit" \
                             and key == "kvgate" else 0
+                        pids = fleet.pids[key]()
+                        cpu0 = cpu_seconds(pids)
                         res = run_wrk(urls[key], scripts[(kind, size)], seconds, connections, threads)
+                        res.cpu_us = (cpu_seconds(pids) - cpu0) * 1e6 / max(1, res.requests)
                         report.rows.setdefault((label, size), []).append(res)
                         if kind == "hit" and key == "kvgate":
                             time.sleep(0.3)
                             hits = _metric(metrics_url, "kvgate_requests_total", cache="HIT") - hits0
                             report.hit_share[size] = hits / max(1, res.requests)
                         echo(f"  round {r + 1} {size:>4} {label:<14} {res.rps:9.0f} req/s  "
-                             f"p50 {res.p50_ms:6.2f} ms  p99 {res.p99_ms:6.2f} ms")
+                             f"p50 {res.p50_ms:6.2f} ms  p99 {res.p99_ms:6.2f} ms  {res.cpu_us:6.1f} us CPU/req")
                     for label, key, kind in paths:
                         if label == "kvgate bypass":
                             continue
@@ -395,9 +433,9 @@ def benchmark(seconds: float, rounds: int, connections: int, threads: int, peers
 def render(report: Report, sizes: list[str], header: str) -> str:
     """The result table (markdown), ratios to bare nginx and to the best peer."""
     lines = [header, "",
-             "| size | path | req/s | vs bare nginx | vs best peer | p50 ms | p99 ms | 1-conn p50 ms | 1-conn p99 ms "
-             "| 1-conn p99 added ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| size | path | req/s | vs bare nginx | vs best peer | p50 ms | p99 ms | CPU µs/req "
+             "| 1-conn p50 ms | 1-conn p99 ms | 1-conn p99 added ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     labels = []
     for (label, _size) in report.rows:
         if label not in labels:
@@ -419,7 +457,7 @@ def render(report: Report, sizes: list[str], header: str) -> str:
             c99 = f"{one.p99_ms:.2f}" if one else "-"
             add = f"{one.p99_ms - bare1.p99_ms:+.2f}" if one and bare1 and label != "bare" else "-"
             lines.append(f"| {size} | {label} | {m.rps:,.0f} | {vs_bare} | {vs_peer} | {m.p50_ms:.2f} | "
-                         f"{m.p99_ms:.2f} | {c50} | {c99} | {add} |")
+                         f"{m.p99_ms:.2f} | {m.cpu_us:.0f} | {c50} | {c99} | {add} |")
     for size in sizes:
         miss = report.median(report.rows, ("kvgate miss", size))
         hit = report.median(report.rows, ("kvgate hit", size))
@@ -441,8 +479,10 @@ def render(report: Report, sizes: list[str], header: str) -> str:
               help="A venv with sglang-router and/or vllm-router (pip install sglang-router vllm-router).")
 @click.option("--lua-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="kvgate's Lua modules [default: the installed ones].")
+@click.option("--only", multiple=True, help="Measure only these paths (e.g. 'kvgate miss'; bare always runs).")
 def gateway_command(seconds: float, rounds: int, connections: int, threads: int, one_seconds: float,
-                    sizes: tuple[str, ...], peers_venv: Path | None, lua_dir: Path | None) -> None:
+                    sizes: tuple[str, ...], peers_venv: Path | None, lua_dir: Path | None,
+                    only: tuple[str, ...]) -> None:
     """kvgate's data path against bare nginx and the Rust peer routers, on a static upstream."""
     for b in ("wrk", "nginx", "redis-server"):
         if not shutil.which(b):
@@ -451,10 +491,10 @@ def gateway_command(seconds: float, rounds: int, connections: int, threads: int,
     chosen = sorted(sizes or SIZES, key=lambda s: SIZES[s])
     click.echo(f"kvgate bench gateway: wrk -t{threads} -c{connections}, {seconds:g} s x {rounds} round(s), "
                f"{os.cpu_count()} CPUs; miss = cacheable body (temperature 0) with a new seed per request; "
-               f"bypass = temperature 0.7 (not cacheable)")
+               f"bypass = temperature 0.7, no seed (not cacheable; max_tokens varies)")
     try:
         report = benchmark(seconds, rounds, connections, threads, peers_venv, chosen, one_seconds, lua_dir,
-                           echo=click.echo)
+                           echo=click.echo, only=only)
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)

@@ -20,6 +20,9 @@ local M = keys.METRICS
 
 local _M = {}
 
+-- memoized sample keys (metrics.counter): the log phase of every request writes this one
+local requests = metrics.counter(M.requests, { "pool", "node", "status", "cache", "route_key_kind" })
+
 -- key_hash(route_key) -> 16 hex digits of sha256(route key), "" for an empty key
 local function key_hash(key)
     if not key or key == "" then
@@ -70,9 +73,7 @@ end
 
 --- count(pool, node, status, outcome, kind): kvgate_requests_total
 function _M.count(pool, node, status, outcome, kind)
-    metrics.incr(M.requests, {
-        pool = pool, node = node, status = tostring(status), cache = outcome, route_key_kind = kind,
-    })
+    requests(1, pool or "none", node or "none", tostring(status), outcome or "BYPASS", kind or "none")
 end
 
 --- record(entry): into the request log (never blocks)

@@ -22,6 +22,10 @@ local M = keys.METRICS
 
 local _M = {}
 
+-- memoized sample keys (metrics.counter/histogram) for what every proxied request writes
+local response_seconds = metrics.histogram(M.upstream_response, { "pool", "node" })
+local failovers = metrics.counter(M.failovers, { "pool" })
+
 --- node_of(cfg, addr) -> the node id of the last address in $upstream_addr ("none" without one)
 function _M.node_of(cfg, addr)
     if not addr or addr == "" then
@@ -127,10 +131,10 @@ function _M.log(kctx, cfg, n, addr)
     if n ~= "cache" and addr then
         local t = tonumber(match(var.upstream_response_time or "", "([%d.]+)%s*$"))
         if t then
-            metrics.observe(M.upstream_response, { pool = pool, node = n }, t)
+            response_seconds(t, pool, n)
         end
         if find(addr, ",", 1, true) then
-            metrics.incr(M.failovers, { pool = pool })
+            failovers(1, pool)
         end
     end
     local guard = kctx.log.guard
