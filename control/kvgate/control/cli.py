@@ -33,17 +33,19 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
     """
     import waitress
 
+    from ..addr import split_host_port
     from ..nginxctl import Nginx
     from ..policy import load_policy, parse_policy_text
     from ..rundir import RunDir
     from ..web import create_app
     from .plane import ApplyError, ControlPlane
     from .store import Store, StoreError
-    from .token import TOKEN_FILE, ensure_token
+    from .token import ensure_token
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
-    run_dir = RunDir((ctx.obj or {}).get("run_dir")).root
+    rd = RunDir((ctx.obj or {}).get("run_dir"))
+    run_dir = rd.root
     text = None
     try:
         if policy_path is not None:
@@ -65,10 +67,11 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
     if not store.ping():
         click.echo(f"error: cannot reach Redis at {url}", err=True)
         sys.exit(1)
-    token, created = ensure_token(token_file or run_dir / TOKEN_FILE)
+    token_path = token_file or rd.token_file
+    token, created = ensure_token(token_path)
     if created:
-        click.echo(f"admin token written to {token_file or run_dir / TOKEN_FILE} (mode 0600)", err=True)
-    plane = ControlPlane(store, Nginx(nginx_prefix or run_dir / "nginx"), run_dir=run_dir,
+        click.echo(f"admin token written to {token_path} (mode 0600)", err=True)
+    plane = ControlPlane(store, Nginx(nginx_prefix or rd.nginx_prefix), run_dir=run_dir,
                          external_gateway=external_gateway)
     if listen is None:
         if policy is not None:
@@ -76,10 +79,10 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
         else:
             latest = store.latest_version()
             listen = parse_policy_text(latest["yaml"]).control.listen if latest else "127.0.0.1:9090"
-    host, _, port = listen.rpartition(":")
     # bind first: a busy port must fail before nginx is started or Redis is written
     try:
-        server = waitress.create_server(create_app(plane, token), host=host.strip("[]"), port=int(port),
+        host, port = split_host_port(listen)
+        server = waitress.create_server(create_app(plane, token), host=host, port=port,
                                         threads=threads, ident="kvgate-control")
     except (OSError, ValueError) as exc:
         click.echo(f"error: cannot listen on {listen}: {getattr(exc, 'strerror', None) or exc}", err=True)
