@@ -29,6 +29,7 @@ from typing import Any
 import redis
 import requests
 
+from ..keys import hot_key, prefix_text_key
 from ..policy.model import PoolConfig
 
 log = logging.getLogger("kvgate.control.warmup")
@@ -62,7 +63,7 @@ def hot_prefixes(r: redis.Redis, pool: str, window_s: int, limit: int, now: floa
         return []
     now = time.time() if now is None else now
     minute = int(now // 60)
-    keys = [f"kvgate:hot:{pool}:{m}" for m in range(minute - window_s // 60, minute + 1)]
+    keys = [hot_key(pool, m) for m in range(minute - window_s // 60, minute + 1)]
     counts: dict[str, float] = {}
     pipe = r.pipeline()
     for k in keys:
@@ -75,7 +76,7 @@ def hot_prefixes(r: redis.Redis, pool: str, window_s: int, limit: int, now: floa
     out: list[dict[str, Any]] = []
     for i in range(0, len(ranked), 100):
         chunk = ranked[i:i + 100]
-        texts = r.mget([f"kvgate:prefix:{pool}:{fp}" for fp, _ in chunk])
+        texts = r.mget([prefix_text_key(pool, fp) for fp, _ in chunk])
         for (fp, count), text in zip(chunk, texts):
             if not text:
                 continue

@@ -26,14 +26,15 @@ from typing import Any
 
 import redis
 
+from ... import keys
 from ...fleet.weights import WEIGHT_SCALE
 from ...policy.model import Policy
 from ...ring import Ring, pool_ring
 
-STREAM = "kvgate:log"
+STREAM = keys.LOG_STREAM
 """The request-log stream (``reqlog.lua``'s ``_M.STREAM``)."""
 
-RESP_PREFIX = "kvgate:resp:"
+RESP_PREFIX = keys.RESP_PREFIX
 """Response-cache keys: ``kvgate:resp:v<N>:<tenant>:<sha256>`` (``cache_key.lua``)."""
 
 HOT_KEYS = 10
