@@ -30,8 +30,7 @@ import requests
 
 from ..addr import connect_address  # noqa: F401 - moved to kvgate.addr; re-exported for old imports
 from ..fleet import states as st
-from ..fleet.changes import (Change, Checked, Event, Inflight, ResetPassive, Save, SavePool, StartWarmup, Transition,
-                             event, transition)
+from ..fleet.changes import Change, Save, event, transition
 from ..fleet.drain import DrainInputs, drain_step, new_drain
 from ..fleet.events import EventKind
 from ..fleet.health import (HealthInputs, PassiveWindows, StoreWatch, engine_start_changes, health_step,
@@ -44,7 +43,7 @@ from ..fleet.weights import serving_weights, weights_step
 from ..nginxctl import Nginx
 from ..policy.model import Policy
 from ..render import Runtime
-from . import probes, versions, views
+from . import effects, probes, versions, views
 from .exceptions import ApplyError, Conflict, NodeHasWork, NotFound
 from .metrics import ControlMetrics
 from .push import RuntimePush
@@ -171,41 +170,9 @@ class ControlPlane:
             log.warning("%s", exc)
 
     def apply(self, changes: list[Change]) -> None:
-        """Apply a step's changes in order (see :mod:`kvgate.fleet.changes`). The caller holds
-        :meth:`changing`. Raises InvalidTransition for a move the state machine refuses."""
-        for c in changes:
-            if isinstance(c, Transition):
-                rec = c.record
-                st.check(rec.id, c.from_state, rec.state, c.action)
-                self.nodes[rec.id] = rec
-                self.metrics.transitions.labels(rec.id, c.from_state, rec.state).inc()
-                self.put_record(rec)
-                self.event(EventKind.STATE, f"{rec.id}: {c.from_state} → {rec.state} ({rec.reason})", node=rec.id,
-                           pool=rec.pool, from_state=c.from_state, to_state=rec.state, reason=rec.reason)
-            elif isinstance(c, Save):
-                self.nodes[c.record.id] = c.record
-                if c.stored:
-                    self.put_record(c.record)
-            elif isinstance(c, Event):
-                self.event(c.kind, c.message, c.node, c.pool, **c.data)
-            elif isinstance(c, SavePool):
-                self.pools[c.name] = c.state
-                self.metrics.degraded.labels(c.name).set(1 if c.state.degraded else 0)
-                if c.switched_to:
-                    self.metrics.degrade_switches.labels(c.name, c.switched_to).inc()
-                if c.stored:
-                    try:
-                        self.store.put_pool(c.name, c.state.to_json())
-                    except StoreError as exc:
-                        log.warning("%s", exc)
-            elif isinstance(c, Checked):
-                self.metrics.health_checks.labels(c.node, "pass" if c.passed else "fail").inc()
-            elif isinstance(c, ResetPassive):
-                self.passive.reset(c.node)
-            elif isinstance(c, StartWarmup):
-                self.warmups.launch(c.node, c.reason)
-            elif isinstance(c, Inflight):
-                self.metrics.inflight.labels(c.node).set(c.value)
+        """Apply a step's changes in order (:func:`kvgate.control.effects.apply_changes`); the
+        caller holds :meth:`changing`. Raises InvalidTransition for a move the machine refuses."""
+        effects.apply_changes(self, changes)
 
     # ================================================================ runtime
     @property

@@ -14,12 +14,12 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..fleet import states as st
 from ..fleet.changes import Event, event
 from ..fleet.events import EventKind
-from ..fleet.records import PoolState, new_record, node_records
+from ..fleet.records import NodeRecord, PoolState, new_record, node_records
 from ..nginxctl import NginxError
 from ..policy import PolicyError, PolicyIssue, parse_policy_text
 from ..policy.model import Policy
@@ -82,7 +82,7 @@ def removal_refusal(busy: list[dict[str, Any]]) -> str:
             "flight are left to end on the node. The running config keeps serving")
 
 
-def removal_work(plane: ControlPlane, policy: Policy, figures: dict[str, Any] | None) -> list[dict[str, Any]]:
+def removal_work(nodes: Mapping[str, NodeRecord], policy: Policy, figures: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The nodes ``policy`` removes that still have work, in the shape of :class:`NodeHasWork`.
 
     A node has work when requests are in flight on it — at the gateway
@@ -94,7 +94,7 @@ def removal_work(plane: ControlPlane, policy: Policy, figures: dict[str, Any] | 
     wanted = {n.id for n in policy.nodes()}
     snap = (figures or {}).get("gateway") or {}
     busy = []
-    for node_id, rec in plane.nodes.items():
+    for node_id, rec in nodes.items():
         if node_id in wanted:
             continue
         g = snap["inflight"].get(node_id, 0.0) if snap.get("ok") else None
@@ -224,7 +224,7 @@ def apply_policy(plane: ControlPlane, text: str, source: str, force: bool = Fals
                         + (f" (+{len(exc.issues) - 5} more)" if len(exc.issues) > 5 else ""),
                         issues=[{"path": i.path, "reason": i.reason} for i in exc.issues])
             raise
-        busy = removal_work(plane, policy, figures) if plane.policy is not None else []
+        busy = removal_work(plane.nodes, policy, figures) if plane.policy is not None else []
         if busy and not force:
             plane.metrics.policy_applies.labels("refused").inc()
             message = removal_refusal(busy)
