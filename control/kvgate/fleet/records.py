@@ -214,14 +214,6 @@ class NodeRecord:
         known["warmup"] = Warmup.from_json(known.get("warmup"))
         return cls(**known, extra=extra)
 
-    def get(self, name: str, default: Any = None) -> Any:
-        """A field of the stored JSON by name, for code written against the JSON records
-        (``(plane.nodes.get(i) or {}).get("state")``); new code reads the attributes."""
-        return self.to_json().get(name, default)
-
-    def __getitem__(self, name: str) -> Any:
-        return self.to_json()[name]
-
 
 @dataclass
 class PoolState:
