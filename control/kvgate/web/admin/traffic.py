@@ -10,7 +10,7 @@ and keeps per-pool time buckets in memory. :func:`traffic_view` gives the same f
 one go (a tracker used once). :func:`cache_stats` counts the response-cache entries
 (``kvgate:resp:v<N>:*``) of the current and of older namespace versions, and their memory.
 
-``python -m kvgate.control.bench_traffic`` compares the two on 50,000 synthetic entries.
+``python -m kvgate.bench.micro.traffic`` compares the two on 50,000 synthetic entries.
 
 All raise :class:`redis.RedisError` when Redis fails; the caller decides what to show.
 """
@@ -414,7 +414,7 @@ class TrafficTracker:
     ``pools × (window_s / bucket_s + 1) × max_keys`` key records are kept in the buckets
     (900 s, 15 s, 1000: 61,000 per pool), plus one per distinct key of the window for the
     running sum: about 185 bytes per record (flat lists; measured by ``python -m
-    kvgate.control.bench_traffic``), so at most about 22 MB per pool, reached only when a
+    kvgate.bench.micro.traffic``), so at most about 22 MB per pool, reached only when a
     pool sees more than 1000 distinct keys every 15 s (over 67 requests/s) for the whole
     window. Below the cap memory follows the traffic: 50,000 entries over 5,000 keys hold
     about 6 MB. While an update runs, its entries (at most ``max_step``, or

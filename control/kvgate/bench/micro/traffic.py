@@ -2,7 +2,7 @@
 whole window on every call) against :class:`~kvgate.web.admin.traffic.TrafficTracker` (the
 window once, then only the new entries).
 
-``python -m kvgate.control.bench_traffic [--entries 50000] [--keys 5000] [--step 1000]``
+``python -m kvgate.bench.micro.traffic [--entries 50000] [--keys 5000] [--step 1000]``
 starts a private ``redis-server`` (a free port, a temporary directory, no persistence),
 fills ``kvgate:log`` with synthetic entries of one pool of 4 nodes (the shape
 ``lua/kvgate/reqlog.lua`` writes; route keys drawn with a Zipf-like skew, 90 % served at
@@ -36,10 +36,10 @@ from typing import Any
 
 import redis
 
-from ..policy.loader import parse_policy
-from ..policy.model import Policy
-from ..ring import key_point, pool_ring
-from ..web.admin.traffic import STREAM, TrafficTracker, traffic_view
+from ...policy.loader import parse_policy
+from ...policy.model import Policy
+from ...ring import key_point, pool_ring
+from ...web.admin.traffic import STREAM, TrafficTracker, traffic_view
 
 NODES = 4
 WINDOW_S = 900.0
@@ -172,7 +172,7 @@ def memory(fn: Callable[[], TrafficTracker]) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvgate.control.bench_traffic", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kvgate.bench.micro.traffic", description=__doc__.split("\n\n")[0])
     ap.add_argument("--entries", type=int, default=50000)
     ap.add_argument("--keys", type=int, default=5000)
     ap.add_argument("--step", type=int, default=1000, help="new entries before the incremental update")

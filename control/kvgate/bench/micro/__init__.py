@@ -1,0 +1,1 @@
+"""Micro-benchmarks that print numbers (``python -m kvgate.bench.micro.<name>``)."""
