@@ -184,23 +184,32 @@ function _M.digest_form(v)
     return concat(out, "", 1, n)
 end
 
---- material(req, endpoint, tenant, version, cred) -> canonical string that is hashed
--- cred: credential()'s digest (NO_CREDENTIAL when nil)
-function _M.material(req, endpoint, tenant, version, cred)
+-- material_parts(...) -> parts, n: the material's digest form in pieces
+local function material_parts(req, endpoint, tenant, version, cred)
     local filtered = {}
     for k, v in pairs(req) do
         if not _M.EXCLUDED[k] then
             filtered[k] = v
         end
     end
-    return _M.digest_form({ endpoint = endpoint, tenant = tenant, v = version,
-                            cred = cred or _M.NO_CREDENTIAL, req = filtered })
+    local out = {}
+    local n = digest_form({ endpoint = endpoint, tenant = tenant, v = version,
+                            cred = cred or _M.NO_CREDENTIAL, req = filtered }, out, 0)
+    return out, n
+end
+
+--- material(req, endpoint, tenant, version, cred) -> canonical string that is hashed
+-- cred: credential()'s digest (NO_CREDENTIAL when nil)
+function _M.material(req, endpoint, tenant, version, cred)
+    local out, n = material_parts(req, endpoint, tenant, version, cred)
+    return concat(out, "", 1, n)
 end
 
 --- key(req, endpoint, tenant, version, cred) -> "kvgate:resp:v<N>:<tenant>:<sha256hex>" or nil, err
 -- cred: credential()'s digest of the caller's credential (NO_CREDENTIAL when nil)
 function _M.key(req, endpoint, tenant, version, cred)
-    local h, err = hash.sha256_hex(_M.material(req, endpoint, tenant, version, cred))
+    -- the digest of material(), fed in pieces (the prompt's strings are not copied again)
+    local h, err = hash.sha256_hex_parts(material_parts(req, endpoint, tenant, version, cred))
     if not h then
         return nil, err
     end
