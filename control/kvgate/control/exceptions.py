@@ -32,3 +32,12 @@ class NodeHasWork(Conflict):
     def __init__(self, message: str, nodes: list[dict[str, Any]]):
         super().__init__(message)
         self.nodes = nodes
+
+
+class StaleVersion(Conflict):
+    """A policy edited from a version that is no longer the running one (the API answers 409,
+    ``code: stale_base_version``); nothing was applied. ``running``: the running version."""
+
+    def __init__(self, message: str, running: int | None):
+        super().__init__(message)
+        self.running = running

@@ -44,7 +44,7 @@ from ..nginxctl import Nginx
 from ..policy.model import Policy
 from ..render import Runtime
 from . import effects, probes, versions, views
-from .exceptions import ApplyError, Conflict, NodeHasWork, NotFound
+from .exceptions import ApplyError, Conflict, NodeHasWork, NotFound, StaleVersion
 from .metrics import ControlMetrics
 from .push import RuntimePush
 from .store import Store, StoreError
@@ -52,7 +52,7 @@ from .views import Snapshot
 from .warmups import Warmups
 
 __all__ = ["ApplyError", "Conflict", "ControlMetrics", "ControlPlane", "NodeHasWork", "NotFound", "Snapshot",
-           "connect_address", "runtime_for"]
+           "StaleVersion", "connect_address", "runtime_for"]
 
 log = logging.getLogger("kvgate.control")
 
@@ -370,10 +370,12 @@ class ControlPlane:
         """See :func:`kvgate.control.versions.validate`. Raises PolicyError, ApplyError."""
         return versions.validate(self, text)
 
-    def apply_policy(self, text: str, source: str, force: bool = False) -> dict[str, Any]:
+    def apply_policy(self, text: str, source: str, force: bool = False,
+                     base_version: int | None = None) -> dict[str, Any]:
         """Validate and apply a policy as one transaction (:func:`kvgate.control.versions.apply_policy`):
-        ``{"version", "result", "changed"}``. Raises PolicyError, NodeHasWork, ApplyError, StoreError."""
-        return versions.apply_policy(self, text, source, force)
+        ``{"version", "result", "changed"}``. Raises StaleVersion, PolicyError, NodeHasWork, ApplyError,
+        StoreError."""
+        return versions.apply_policy(self, text, source, force, base_version)
 
     def invalidate_cache(self, source: str) -> dict[str, Any]:
         """Retire every cached response (:func:`kvgate.control.versions.invalidate_cache`):

@@ -24,7 +24,7 @@ from ..nginxctl import NginxError
 from ..policy import PolicyError, PolicyIssue, parse_policy_text
 from ..policy.model import Policy
 from . import probes
-from .exceptions import ApplyError, NodeHasWork, NotFound
+from .exceptions import ApplyError, NodeHasWork, NotFound, StaleVersion
 from .store import StoreError
 
 if TYPE_CHECKING:
@@ -191,16 +191,22 @@ def adopt(plane: ControlPlane, policy: Policy, text: str) -> list[Event]:
     return pending
 
 
-def apply_policy(plane: ControlPlane, text: str, source: str, force: bool = False) -> dict[str, Any]:
+def apply_policy(plane: ControlPlane, text: str, source: str, force: bool = False,
+                 base_version: int | None = None) -> dict[str, Any]:
     """Validate and apply a policy as one transaction.
 
     A policy that drops a node that still has work (:func:`removal_work`, on figures read
     before any lock of the plane is taken here) is refused unless ``force``; a forced removal
     says in its ``node_removed`` event what was in flight.
 
+    ``base_version``: the version the text was edited from; when another one runs by the time
+    the plane's locks are taken, nothing is applied (a check and an apply in one critical section
+    without the caller holding ``plane.lock`` over the figures' I/O).
+
     Returns ``{"version": n, "result": "pushed"|"reloaded"|"unchanged"|..., "changed": bool}``.
 
     Raises:
+        StaleVersion: ``base_version`` is not the running version (nothing changed).
         PolicyError: invalid (nothing changed; counted as ``invalid``).
         NodeHasWork: it would remove a node with work (nothing changed; counted as ``refused``).
         ApplyError: nginx refused the rendered config or failed to reload (the running
@@ -209,6 +215,10 @@ def apply_policy(plane: ControlPlane, text: str, source: str, force: bool = Fals
     """
     figures = removal_figures(plane, text)  # network I/O, before any lock of the plane is taken here
     with plane.lock, plane.changing():
+        running = (plane.policy_version or {}).get("version")
+        if base_version is not None and running is not None and base_version != running:
+            raise StaleVersion(f"the running policy changed to version {running} since version {base_version} "
+                               "was loaded: review the change against it, then apply again", running)
         if plane.policy is not None and not plane.store.ping():
             # applied but recorded nowhere, it could neither be listed nor rolled back
             raise StoreError("Redis is unreachable: policy changes are refused until the control plane can "
