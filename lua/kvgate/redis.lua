@@ -12,6 +12,8 @@ local ngx = ngx
 local null = ngx.null
 local tostring = tostring
 local unpack = unpack
+local type = type
+local rawget = rawget
 
 local _M = {}
 
@@ -95,7 +97,8 @@ function _M.set(cfg, key, value, ttl_s)
 end
 
 --- pipeline(cfg, cmds) -> replies | nil, err
--- cmds: list of {command, arg, ...}; sent as one pipeline on one pooled connection.
+-- cmds: list of {command, arg, ...} or of strings already in Redis's wire format (one
+-- command each, e.g. kvgate.reqlog's XADDs); sent as one pipeline on one pooled connection.
 -- replies[i] is the reply of cmds[i], or {false, err} for an error reply (as
 -- lua-resty-redis gives them); a network error fails the whole call.
 function _M.pipeline(cfg, cmds)
@@ -106,7 +109,14 @@ function _M.pipeline(cfg, cmds)
     red:init_pipeline(#cmds)
     for i = 1, #cmds do
         local c = cmds[i]
-        red[c[1]](red, unpack(c, 2))
+        if type(c) == "string" then
+            -- lua-resty-redis queues each command's wire form in red._reqs and reads one
+            -- reply per element at commit
+            local reqs = rawget(red, "_reqs")
+            reqs[#reqs + 1] = c
+        else
+            red[c[1]](red, unpack(c, 2))
+        end
     end
     local replies, perr = red:commit_pipeline()
     if not replies then

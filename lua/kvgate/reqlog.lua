@@ -34,6 +34,7 @@ local tostring = tostring
 local pcall = pcall
 local ipairs = ipairs
 local tonumber = tonumber
+local concat = table.concat
 
 local _M = {}
 
@@ -57,18 +58,62 @@ _M.hot_key = keys.hot
 --- prefix_key(pool, fp) -> "kvgate:prefix:<pool>:<fp>" (keys.prefix_text)
 _M.prefix_key = keys.prefix_text
 
---- commands(batch, count, cfg) -> cmds, xadd_positions, set_positions  (PURE)
+-- RESP framing of one bulk string: "$<len>\r\n<s>\r\n"
+local function bulk(s)
+    return "$" .. #s .. "\r\n" .. s .. "\r\n"
+end
+
+--- resp(cmd) -> the command {name, arg, ...} in Redis's wire format (RESP array of bulk strings)
+function _M.resp(cmd)
+    local parts = { "*" .. #cmd .. "\r\n" }
+    for i = 1, #cmd do
+        parts[i + 1] = bulk(cmd[i])
+    end
+    return concat(parts)
+end
+
+local XADD_HEAD -- "*<n>\r\n" and the fixed arguments up to "*", built at first use
+local FIELD = {} -- field name -> its bulk string
+for _, f in ipairs(keys.LOG_FIELDS) do
+    FIELD[f] = bulk(f)
+end
+
+-- xadd(e) -> the entry's XADD already in wire format: what a command table of commands()
+-- costs per entry (~30 strings, then the client's own framing of each) in one concatenation
+local function xadd(e, fp)
+    if not XADD_HEAD then
+        XADD_HEAD = "*" .. (6 + 2 * #keys.LOG_FIELDS) .. "\r\n" .. bulk("xadd") .. bulk(_M.STREAM) ..
+            bulk("MAXLEN") .. bulk("~") .. bulk(_M.MAXLEN) .. bulk("*")
+    end
+    local ts = format("%.3f", e.ts)
+    local pool, node, status, cache = e.pool, e.node or "", tostring(e.status), e.cache or ""
+    local kind, key, ms = e.kind or "", e.key or "", tostring(e.ms)
+    local point = e.point and format("%d", e.point) or ""
+    local tries = e.tries and format("%d", e.tries) or ""
+    local home = e.home or ""
+    return concat({ XADD_HEAD,
+        FIELD.ts, "$", #ts, "\r\n", ts, "\r\n", FIELD.pool, "$", #pool, "\r\n", pool, "\r\n",
+        FIELD.node, "$", #node, "\r\n", node, "\r\n", FIELD.status, "$", #status, "\r\n", status, "\r\n",
+        FIELD.cache, "$", #cache, "\r\n", cache, "\r\n", FIELD.kind, "$", #kind, "\r\n", kind, "\r\n",
+        FIELD.fp, "$", #fp, "\r\n", fp, "\r\n", FIELD.key, "$", #key, "\r\n", key, "\r\n",
+        FIELD.ms, "$", #ms, "\r\n", ms, "\r\n", FIELD.point, "$", #point, "\r\n", point, "\r\n",
+        FIELD.tries, "$", #tries, "\r\n", tries, "\r\n", FIELD.home, "$", #home, "\r\n", home, "\r\n" })
+end
+
+--- commands(batch, count, cfg, wire) -> cmds, xadd_positions, set_positions  (PURE)
+-- wire: the XADDs come as strings in Redis's wire format (resp() of the same command; what
+-- the flush sends), else as command tables
 -- batch[1..count]: entries {ts, pool, node, status, cache, kind, fp, key, ms, point?, tries?, home?, cap?,
 -- cap_ttl?}
 -- cfg: the data config (per pool hot_window_s); the hot-set counts of a batch are summed
 -- per (pool, minute, fp), and each hot key gets one EXPIRE per batch.
-function _M.commands(batch, count, cfg)
+function _M.commands(batch, count, cfg, wire)
     local cmds, xadds, sets = {}, {}, {}
     local hot, hot_order = {}, {}
     for i = 1, count do
         local e = batch[i]
         local fp = e.fp or ""
-        cmds[#cmds + 1] = { "xadd", _M.STREAM, "MAXLEN", "~", _M.MAXLEN, "*",
+        cmds[#cmds + 1] = wire and xadd(e, fp) or { "xadd", _M.STREAM, "MAXLEN", "~", _M.MAXLEN, "*",
             "ts", format("%.3f", e.ts), "pool", e.pool, "node", e.node or "", "status", tostring(e.status),
             "cache", e.cache or "", "kind", e.kind or "", "fp", fp, "key", e.key or "",
             "ms", tostring(e.ms),
@@ -154,7 +199,7 @@ local function send(batch, count)
     if kredis.down() then
         return dropped("redis-down", count)
     end
-    local cmds, xadds, sets = _M.commands(batch, count, cfg)
+    local cmds, xadds, sets = _M.commands(batch, count, cfg, true)
     local ok, replies, err = pcall(kredis.pipeline, cfg.redis, cmds)
     if not ok then
         replies, err = nil, replies

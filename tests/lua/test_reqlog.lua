@@ -150,4 +150,18 @@ H.test("the gauge renders with # TYPE gauge, once per series", function()
     end
 end)
 
+H.test("the flush's wire-format XADDs are exactly the command tables in RESP", function()
+    local batch = { entry(), entry({ fp = "", kind = "fallback", key = "", point = false, tries = 0 }),
+                    entry({ home = "n2", node = "", status = 502 }) }
+    local tables, tx = reqlog.commands(batch, #batch, CFG)
+    local wire, wx = reqlog.commands(batch, #batch, CFG, true)
+    H.eq(#wire, #tables)
+    for i = 1, #tx do
+        H.eq(wx[i], tx[i])
+        H.eq(type(wire[wx[i]]), "string")
+        H.eq(wire[wx[i]], reqlog.resp(tables[tx[i]]))
+    end
+    H.eq(reqlog.resp({ "set", "k", "vv" }), "*3\r\n$3\r\nset\r\n$1\r\nk\r\n$2\r\nvv\r\n")
+end)
+
 H.done()
