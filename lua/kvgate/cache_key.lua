@@ -43,10 +43,17 @@ local MAX_EXACT_INT = 2 ^ 53
 -- uses for abuse monitoring; the credential, and later tenants, scope the cache instead).
 _M.EXCLUDED = { stream = true, stream_options = true, user = true }
 
+local scopes = {} -- tenant -> escaped (the tenants are the config's: bounded)
+
 local function escape_scope(s)
-    return (gsub(s, "[^%w_.-]", function(c)
-        return format("%%%02X", byte(c))
-    end))
+    local e = scopes[s]
+    if e == nil then
+        e = gsub(s, "[^%w_.-]", function(c)
+            return format("%%%02X", byte(c))
+        end)
+        scopes[s] = e
+    end
+    return e
 end
 
 -- cred of a request that sends none of the credential headers (the anonymous scope)
@@ -208,8 +215,9 @@ end
 --- key(req, endpoint, tenant, version, cred) -> "kvgate:resp:v<N>:<tenant>:<sha256hex>" or nil, err
 -- cred: credential()'s digest of the caller's credential (NO_CREDENTIAL when nil)
 function _M.key(req, endpoint, tenant, version, cred)
-    -- the digest of material(), fed in pieces (the prompt's strings are not copied again)
-    local h, err = hash.sha256_hex_parts(material_parts(req, endpoint, tenant, version, cred))
+    -- (feeding the pieces to the digest instead of joining them measured no faster, even at
+    -- 40 KB: the join is one copy, the digest's updates are calls)
+    local h, err = hash.sha256_hex(_M.material(req, endpoint, tenant, version, cred))
     if not h then
         return nil, err
     end

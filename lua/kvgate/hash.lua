@@ -25,39 +25,25 @@ function _M.to_hex(bin)
     return (gsub(bin, ".", hex_byte))
 end
 
-local concat = table.concat
 
--- parts longer than this go to the digest as they are; shorter runs are joined first (an
--- update per part would cost more than the copy)
-local BIG_PART = 8192
+-- one context per worker, reset for each digest: nothing between reset and final yields, so
+-- no two digests interleave (a new context per digest is an FFI allocation and a table)
+local shared
 
---- sha256_hex_parts(parts, n) -> sha256 hex of concat(parts, "", 1, n), or nil, err, without
--- building the whole string (a 40 KB prompt is not copied once more)
-function _M.sha256_hex_parts(parts, n)
-    local h = sha256:new()
-    if not h then
-        return nil, "sha256 unavailable"
-    end
-    local from = 1
-    for i = 1, n do
-        local p = parts[i]
-        if #p > BIG_PART then
-            if i > from then
-                h:update(concat(parts, "", from, i - 1))
-            end
-            h:update(p)
-            from = i + 1
+local function hasher()
+    if shared then
+        if shared:reset() then
+            return shared
         end
+        shared = nil
     end
-    if n >= from then
-        h:update(concat(parts, "", from, n))
-    end
-    return _M.to_hex(h:final())
+    shared = sha256:new()
+    return shared
 end
 
 --- sha256_hex(s) -> 64 hex chars, or nil, err
 function _M.sha256_hex(s)
-    local h = sha256:new()
+    local h = hasher()
     if not h then
         return nil, "sha256 unavailable"
     end
