@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import re
 import signal
 import socket
 import subprocess
@@ -60,6 +61,32 @@ def _gone(proc: psutil.Process, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def _exit_reason(log: Path, start: int, most: int = 4) -> str:
+    """Why a process exited, from what it wrote to ``log`` after byte ``start``: from its last
+    ``error: ...`` line on (kvgate's commands print one), else the last lines; repeated lines
+    (nginx says the same bind() failure five times, with and without a timestamp) once."""
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(start)
+            lines = [ln.strip() for ln in fh.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError as exc:
+        return f"(its log is unreadable: {exc})"
+    errors = [i for i, ln in enumerate(lines) if ln.startswith("error: ")]
+    picked = lines[errors[-1]:] if errors else lines[-most:]
+    out: list[str] = []
+    seen: set[str] = set()
+    for ln in picked:
+        ln = ln.removeprefix("error: ")
+        key = re.sub(r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d \[(\w+)\] \d+#\d+: ", r"nginx: [\1] ", ln)
+        if key not in seen:
+            seen.add(key)
+            out.append(ln)
+    text = ""
+    for ln in out[:most]:
+        text += ln if not text else (" " if text.endswith(":") else " | ") + ln
+    return text or "(nothing in its log)"
 
 
 @dataclass
@@ -417,14 +444,14 @@ class Stack:
             self._stop_pid("control")
         if _port_open(*split_host_port(self.control_url(policy).removeprefix("http://"))):
             raise StackError(f"control: {policy.control.listen} is already in use by another program")
+        log = self.dir.log_file("control")
+        log_start = log.stat().st_size if log.exists() else 0
         proc = self._spawn("control", self.control_command(policy_path, policy))
         deadline = time.monotonic() + timeout
         while not self.http_healthy(self.control_url(policy) + "/healthz"):
             if proc.poll() is not None:
                 self._pid_file("control").unlink(missing_ok=True)
-                tail = (self.logs / "control.log").read_text(errors="replace").strip().splitlines()[-5:]
-                raise StackError("control plane exited at start: " + " | ".join(tail)
-                                 + f" (see {self.logs / 'control.log'})")
+                raise StackError(f"control plane exited at start: {_exit_reason(log, log_start)} (see {log})")
             if time.monotonic() > deadline:
                 raise StackError(f"control plane not healthy after {timeout:.0f}s (see {self.logs / 'control.log'})")
             time.sleep(0.1)

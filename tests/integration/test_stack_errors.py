@@ -2,6 +2,7 @@
 policies, failed updates, concurrent runs (real redis-server, simulators and nginx)."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -235,3 +236,25 @@ def test_replay_without_a_control_plane_says_so(one_node, tmp_path):
     assert "no control plane" in out.stderr and "kvgate up" in out.stderr
     assert "Traceback" not in out.stderr
     assert (one_node.run_dir / "nginx" / "conf" / "nginx.conf").read_text() == conf  # nothing written
+
+
+def test_nginx_failing_in_the_control_plane_is_reported_and_nothing_is_left(one_node, tmp_path):
+    """nginx is started by the control plane: a failure there (here its internal listener's port
+    is taken, which the up-front checks do not see) ends `kvgate up` with nginx's own reason."""
+    busy = free_port()
+    text, n = re.subn(r"^gateway: .*$", f'gateway: {{listen: "127.0.0.1:{one_node.gw}", '
+                      f'internal_listen: "127.0.0.1:{busy}"}}', one_node.policy.read_text(), flags=re.M)
+    assert n == 1
+    policy = tmp_path / "internal-busy.yaml"
+    policy.write_text(text)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", busy))
+        squatter.listen()
+        out = one_node.up(policy)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "control plane exited at start: nginx failed to start" in out.stderr, out.stderr
+    assert f"127.0.0.1:{busy} failed (98: Address already in use)" in out.stderr
+    assert out.stderr.count("Address already in use") == 1  # nginx's repeats said once
+    assert "Traceback" not in out.stderr
+    assert not list((one_node.run_dir / "pids").glob("*.pid"))
+    assert not listening(one_node.gw)
