@@ -129,3 +129,20 @@ def test_the_plane_and_the_fake_have_what_the_views_call() -> None:
         assigned = re.search(rf"self\.{name}\b[^\n=]*=(?!=)", plane_src)  # self.a, self.b = ... too
         assert hasattr(ControlPlane, name) or assigned, name
         assert hasattr(fake, name), name
+
+
+def test_config_layers_defaults_then_environment_then_config(plane, monkeypatch) -> None:
+    from kvgate.web import create_app
+
+    from webfixtures import TOKEN
+
+    app = create_app(plane, TOKEN)
+    assert app.config["SESSION_COOKIE_NAME"] == "kvgate_admin" and app.config["MAX_CONTENT_LENGTH"] == 4 << 20
+    monkeypatch.setenv("KVGATE_WEB_SESSION_COOKIE_NAME", "from_env")
+    monkeypatch.setenv("KVGATE_WEB_SESSION_COOKIE_SECURE", "true")
+    app = create_app(plane, TOKEN)
+    assert app.config["SESSION_COOKIE_NAME"] == "from_env" and app.config["SESSION_COOKIE_SECURE"] is True
+    app = create_app(plane, TOKEN, {"SESSION_COOKIE_NAME": "from_config"})
+    assert app.config["SESSION_COOKIE_NAME"] == "from_config"
+    # the session key follows the token: a new token ends every session
+    assert create_app(plane, "other").config["SECRET_KEY"] != app.config["SECRET_KEY"]
