@@ -209,7 +209,7 @@ local function send(batch, count)
         warn("flush failed", err)
         return dropped("redis-error", count)
     end
-    local written, captured = 0, 0
+    local written, sampled = 0, 0
     for i = 1, #xadds do
         local r = replies[xadds[i]]
         if r ~= nil and not (type(r) == "table" and r[1] == false) then
@@ -219,14 +219,14 @@ local function send(batch, count)
     for i = 1, #sets do
         local r = replies[sets[i]]
         if r ~= nil and not (type(r) == "table" and r[1] == false) then
-            captured = captured + 1
+            sampled = sampled + 1
         end
     end
     if written > 0 then
         metrics.incr(keys.METRICS.request_log_written, {}, written)
     end
-    if captured > 0 then
-        metrics.incr(keys.METRICS.prefix_captures, {}, captured)
+    if sampled > 0 then
+        metrics.incr(keys.METRICS.prefix_captures, {}, sampled)
     end
     if written < count then
         dropped("redis-error", count - written)

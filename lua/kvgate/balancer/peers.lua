@@ -29,6 +29,7 @@
 local ngx_balancer = require "ngx.balancer"
 local kvctx = require "kvgate.ctx"
 local inflight = require "kvgate.inflight"
+local klog = require "kvgate.log"
 
 local ngx = ngx
 local shared = ngx.shared
@@ -215,10 +216,8 @@ function _M.node(b, id)
 end
 
 local function busy(b)
-    local d = shared[DICT]
-    if d and d:add("warned:no_node:" .. b.pool, true, 60) then
-        ngx.log(ngx.WARN, "kvgate pool ", b.pool, ": no node left to try (all down or tried); 502")
-    end
+    klog.warn_every("no_node:" .. b.pool, 60, "kvgate pool ", b.pool,
+        ": no node left to try (all down or tried); 502")
     return ngx.exit(NGX_BUSY)
 end
 
