@@ -188,6 +188,8 @@ def test_all_nodes_failed_is_logged(start_sims, start_redis, start_gateway) -> N
     assert e["key"] == _short("s:s-down") and len(e["fp"]) == 64
     # the one node was tried (the failed address is in $upstream_addr after the redirect)
     assert (e["point"], e["tries"]) == (str(zlib.crc32(b"s:s-down")), "1")
+    # the context came back after the redirect (kvgate.ctx): the balancer's home is known
+    assert e["home"] == "d1"
 
 
 def _redis_on(port: int, d: Path) -> subprocess.Popen:
