@@ -13,6 +13,7 @@ local null = ngx.null
 local tostring = tostring
 local unpack = unpack
 local type = type
+local setmetatable = setmetatable
 local rawget = rawget
 
 local _M = {}
@@ -34,11 +35,18 @@ function _M.trip()
     end
 end
 
+-- cfg (the config's redis table) -> the connect options naming its keepalive pool, built once
+local opts_of = setmetatable({}, { __mode = "k" })
+
 local function connect(cfg)
     local red = redis:new()
     red:set_timeout(cfg.timeout_ms)
-    local pool = cfg.host .. ":" .. cfg.port .. ":" .. cfg.db
-    local ok, err = red:connect(cfg.host, cfg.port, { pool = pool })
+    local opts = opts_of[cfg]
+    if not opts then
+        opts = { pool = cfg.host .. ":" .. cfg.port .. ":" .. cfg.db }
+        opts_of[cfg] = opts
+    end
+    local ok, err = red:connect(cfg.host, cfg.port, opts)
     if not ok then
         return nil, "connect: " .. tostring(err)
     end
