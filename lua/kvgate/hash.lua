@@ -2,6 +2,7 @@
 -- PURE (no ngx.*): nginx.sha256 is an FFI binding to libcrypto, which the nginx
 -- binary already links; the plain-luajit tests load libcrypto globally first.
 local sha256 = require "nginx.sha256"
+local C = require("ffi").C
 
 local byte = string.byte
 local format = string.format
@@ -48,6 +49,19 @@ function _M.sha256_hex(s)
         return nil, "sha256 unavailable"
     end
     h:update(s)
+    return _M.to_hex(h:final())
+end
+
+--- sha256_hex_ptr(ptr, len) -> 64 hex chars of the len bytes at ptr (a string.buffer's ref()),
+-- or nil, err: what is hashed need not become a Lua string
+function _M.sha256_hex_ptr(ptr, len)
+    local h = hasher()
+    if not h then
+        return nil, "sha256 unavailable"
+    end
+    if C.SHA256_Update(h._ctx, ptr, len) ~= 1 then
+        return nil, "sha256 update failed"
+    end
     return _M.to_hex(h:final())
 end
 

@@ -236,4 +236,25 @@ H.test("the key is the sha256 of material(), also for long strings", function()
     end
 end)
 
+H.test("the key's values are those of the joined digest form (golden, before the buffer)", function()
+    -- computed by the cache_key.lua of commit 232d2f4 (material joined with table.concat)
+    local reqs = {
+        [==[{"model":"m","messages":[{"role":"system","content":"sys"},{"role":"user","content":"hi"}],"temperature":0,"max_tokens":16}]==],
+        [==[{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"a\"b\\c\u00e9"}]}],"temperature":0,"seed":12345,"stop":["\n","x"],"logit_bias":{"50256":-100,"7":3.25},"top_p":0.9,"n":null,"logprobs":true,"echo":false,"response_format":{}}]==],
+        [==[{"model":"m","prompt":[[1,2,3],[4]],"temperature":0,"max_tokens":1e300,"x":-0.1}]==],
+    }
+    local want = {
+        "kvgate:resp:v3:te%3Anant:94f5a6d91c75d61e274f932f909013995f90097e8aaef8ed380860a135336538",
+        "kvgate:resp:v3:te%3Anant:20f828ce08415ce8719c6df1355cca275745b4b8a489584d87f8cfcdf4c3bc4c",
+        "kvgate:resp:v3:te%3Anant:cb7278816f47a32af12703ae2149892f1643cbe33439f48d96f65beae81a4618",
+    }
+    for i, r in ipairs(reqs) do
+        local t = cjson.decode(r)
+        if i == 3 then
+            t.long = string.rep("abcdefgh", 6000)
+        end
+        H.eq(cache_key.key(t, i == 3 and "completions" or "chat", "te:nant", 3, i == 2 and "abc" or nil), want[i], i)
+    end
+end)
+
 H.done()
