@@ -74,15 +74,31 @@ class Runtime:
         states: node id → the control plane's state name (``active``, ``draining`` …), shown by
             ``GET /kvgate/config``; the data path routes on the weight alone. A node not in the
             map reads ``active`` when its weight is above 0, else ``down``.
+        home_weights: node id → the node's *serving* weight (>= 1,
+            :func:`kvgate.fleet.weights.serving_weights`: the weight in force, or for a node not
+            taking traffic its target weight). The gateway's home ring (a key's home node, logged
+            as ``home`` in the request log) is built from these. A node not in the map gets its
+            weight when above 0, else ``policy weight × WEIGHT_SCALE``.
     """
 
     weights: Mapping[str, int] = field(default_factory=dict)
     balancers: Mapping[str, str] = field(default_factory=dict)
     namespace_version: int | None = None
     states: Mapping[str, str] = field(default_factory=dict)
+    home_weights: Mapping[str, int] = field(default_factory=dict)
 
     def weight(self, node_id: str, base: int) -> int:
         return int(self.weights.get(node_id, base * WEIGHT_SCALE))
+
+    def home_weight(self, node_id: str, base: int) -> int:
+        """The node's weight on the home ring (>= 1): :attr:`home_weights`, else its weight in
+        force when above 0, else its base weight × ``WEIGHT_SCALE``."""
+        w = int(self.home_weights.get(node_id) or 0)
+        if w <= 0:
+            w = self.weight(node_id, base)
+        if w <= 0:
+            w = base * WEIGHT_SCALE
+        return max(1, w)
 
     def balancer(self, pool_name: str, configured: str) -> str:
         return self.balancers.get(pool_name, configured)
@@ -98,18 +114,21 @@ def runtime_document(policy: Policy, runtime: Runtime | None = None) -> dict[str
     Shape (every pool and node of the policy, no others)::
 
         {"pools": {"<pool>": {"balancer": "chash" | "round_robin" | "least_conn",
-                              "nodes": {"<node id>": {"weight": int >= 0, "state": str}}}},
+                              "nodes": {"<node id>": {"weight": int >= 0, "state": str,
+                                                      "home_weight": int >= 1}}}},
          "cache": {"namespace_version": int >= 1}}
 
     ``runtime=None`` is the policy as written: every node ``active`` at its base weight × 100.
-    The namespace version is the higher of the policy's and the runtime's."""
+    ``home_weight``: the node's weight on the home ring (:meth:`Runtime.home_weight`); the
+    gateway logs each keyed request's home node on that ring. The namespace version is the
+    higher of the policy's and the runtime's."""
     runtime = runtime or Runtime()
     pools: dict[str, Any] = {}
     for pool in policy.pools:
         nodes: dict[str, Any] = {}
         for n in pool.nodes:
             w = max(0, runtime.weight(n.id, n.weight))
-            nodes[n.id] = {"weight": w, "state": runtime.state(n.id, w)}
+            nodes[n.id] = {"weight": w, "state": runtime.state(n.id, w), "home_weight": runtime.home_weight(n.id, n.weight)}
         pools[pool.name] = {"balancer": runtime.balancer(pool.name, pool.balancer), "nodes": nodes}
     return {
         "pools": pools,

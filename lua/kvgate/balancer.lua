@@ -35,14 +35,15 @@ local NGX_BUSY = peers.NGX_BUSY
 
 local instances = {} -- pool name -> instance (this worker; b.impl, b.prt)
 
--- same(a, b) -> true when two pool runtimes route alike (balancer and every weight)
+-- same(a, b) -> true when two pool runtimes route alike (balancer and every weight) and
+-- give keys the same homes (every home weight)
 local function same(a, b)
     if not a or not b or a.balancer ~= b.balancer then
         return false
     end
     for id, n in pairs(a.nodes) do
         local m = b.nodes[id]
-        if not m or m.weight ~= n.weight then
+        if not m or m.weight ~= n.weight or m.home_weight ~= n.home_weight then
             return false
         end
     end

@@ -127,7 +127,7 @@ end
 
 --- runtime() -> this worker's runtime (nil before init):
 -- {version = N, digest = hex, pools = {[name] = {balancer = "chash"|"round_robin"|"least_conn",
---  nodes = {[id] = {weight = W, state = S}}}}, cache = {namespace_version = N}}
+--  nodes = {[id] = {weight = W, state = S, home_weight = H (optional)}}}}, cache = {namespace_version = N}}
 function _M.runtime()
     return rt
 end
@@ -165,7 +165,9 @@ end
 --- check_runtime(doc, cfg) -> true | nil, message, param
 -- doc: a decoded POST body (or runtime.json); cfg: the static config. Every pool and node of
 -- cfg must be present, and nothing else: {pools = {[pool] = {balancer = <known name>,
--- nodes = {[id] = {weight = <integer 0..MAX_WEIGHT>, state = <non-empty string>}}}},
+-- nodes = {[id] = {weight = <integer 0..MAX_WEIGHT>, state = <non-empty string>,
+-- home_weight = <integer 1..MAX_WEIGHT, optional: the weight on the home ring, see
+-- kvgate.balancer.peers.nodes>}}}},
 -- cache = {namespace_version = <integer >= 0>}}. param: the path of the first bad field
 -- (keys in sorted order), e.g. "pools.p1.nodes.n2.weight"; a pool added or removed is a
 -- structural change (a reload), never a push.
@@ -226,12 +228,18 @@ function _M.check_runtime(doc, cfg)
             if not is_object(n) then
                 return nil, nat .. " must be an object", nat
             end
-            msg, param = only(n, { weight = true, state = true }, nat .. ".")
+            msg, param = only(n, { weight = true, state = true, home_weight = true }, nat .. ".")
             if msg then
                 return nil, msg, param
             end
             if not is_int(n.weight, _M.MAX_WEIGHT) then
                 return nil, nat .. ".weight must be an integer from 0 to " .. _M.MAX_WEIGHT, nat .. ".weight"
+            end
+            -- optional (a control plane older than the home ring sends none: the balancer
+            -- then takes the weight, or the node's base weight when the weight is 0)
+            if n.home_weight ~= nil and (not is_int(n.home_weight, _M.MAX_WEIGHT) or n.home_weight < 1) then
+                return nil, nat .. ".home_weight must be an integer from 1 to " .. _M.MAX_WEIGHT,
+                    nat .. ".home_weight"
             end
             if type(n.state) ~= "string" or n.state == "" then
                 return nil, nat .. ".state must be a non-empty string", nat .. ".state"

@@ -6,7 +6,7 @@
 --   XADD kvgate:log MAXLEN ~ 100000 * ts .. pool .. node .. status .. cache .. kind .. fp .. key .. ms
 --        .. point .. tries .. home        (the fields of keys.LOG_FIELDS, in that order)
 --     point: ngx.crc32_long(route key), the key's place on the chash ring, as a decimal
---            integer ("" without a key); the control plane's kvgate.ring finds its home node
+--            integer ("" without a key); home (below) is the key's node on the home ring
 --     tries: nodes tried ($upstream_addr entries; > 1 = failover, 0 = no upstream/cache hit;
 --            "" for an entry handed over by a worker that predates the field)
 --     home:  the route key's home node as the pool's balancer saw it (kctx.balancer.home;

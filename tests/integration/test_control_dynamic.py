@@ -332,7 +332,7 @@ def test_apply_pushes_refusals_keep_the_runtime_and_the_secret_stays(start_sims,
     assert gw.nginx.apply(gw.policy, Runtime(weights={a: 0})) == "pushed"
     now = dynamic.current(listen, secret)
     assert now["version"] == start["version"] + 1 and now["loads"] == start["loads"]
-    assert now["runtime"]["pools"]["default"]["nodes"][a] == {"weight": 0, "state": "down"}
+    assert now["runtime"]["pools"]["default"]["nodes"][a] == {"weight": 0, "state": "down", "home_weight": 100}
     assert json.loads((gw.nginx.prefix / "conf/runtime.json").read_text()) == now["runtime"]
     assert all(gw.chat("where to?", max_tokens=1, headers={"X-Session-Id": f"s{i}"}).headers["X-Kvgate-Node"] == b
                for i in range(6))

@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from gwfixtures import MODEL, Gateway, _wait, wait_cached
-from kvgate.ring import key_point, pool_ring
+from oracles.ring import key_point, pool_ring
 from mockengine import MockEngine
 
 POOL = "default"
@@ -53,15 +53,21 @@ def _post(gw: Gateway, doc: Any, headers: dict[str, str] | None = None) -> reque
 
 
 def _doc(nodes: list[MockEngine], weights: dict[str, int] | None = None, balancer: str = "chash",
-         namespace: int = 1) -> dict[str, Any]:
+         namespace: int = 1, home: bool = False) -> dict[str, Any]:
+    """A runtime document; ``home``: with each node's home_weight (the control plane's documents
+    carry it since issue 10; without it, as an older control plane's, the gateway takes the weight)."""
     weights = weights or {}
-    return {
+    doc: dict[str, Any] = {
         "pools": {POOL: {"balancer": balancer, "nodes": {
             m.node_id: {"weight": weights.get(m.node_id, 100),
                         "state": "active" if weights.get(m.node_id, 100) > 0 else "drained"}
             for m in nodes}}},
         "cache": {"namespace_version": namespace},
     }
+    if home:
+        for n in doc["pools"][POOL]["nodes"].values():
+            n["home_weight"] = n["weight"] or 100
+    return doc
 
 
 def _workers(gw: Gateway) -> set[int]:
@@ -111,7 +117,7 @@ def test_a_push_takes_effect_in_every_worker_without_a_reload(start_mocks, start
     gw = start_gateway(mocks, None, cache={"enabled": False})
     before = _get(gw)
     digest, pids, loads = _health(gw)["digest"], _workers(gw), before["loads"]
-    assert before["runtime"] == _doc(mocks)  # the policy as written: chash, weight 100 each
+    assert before["runtime"] == _doc(mocks, home=True)  # the policy as written: chash, weight 100 each
     ring = pool_ring(gw.policy, POOL, {})
     sessions = [f"dyn-{i}" for i in range(120)]
     homed_n2 = [s for s in sessions if ring.home(key_point("s:" + s)) == "n2"]

@@ -18,7 +18,7 @@ import requests
 from gwfixtures import MODEL, Gateway, free_port, make_policy
 from kvgate.bench.balancer import bare_nginx_conf
 from kvgate.render import default_lua_dir
-from kvgate.ring import Ring, key_point, pool_ring
+from oracles.ring import Ring, key_point, pool_ring
 from mockengine import MockEngine
 
 KEYS = [f"session-{i}" for i in range(240)]

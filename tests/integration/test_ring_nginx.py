@@ -1,4 +1,4 @@
-"""kvgate.ring (the oracle) against the real gateway (the Lua ring of
+"""tests/oracles/ring.py (the oracle) against the real gateway (the Lua ring of
 ``kvgate.balancer.chash`` in nginx): for every route key, the Python ring names the node the
 gateway sends it to, with unequal weights, with a ``down`` node, at the ring's edges and where
 two nodes' points have the same hash; and the request log's ``point``/``tries`` fields feed
@@ -28,7 +28,7 @@ from gwfixtures import (
 )
 from kvgate.web.admin.traffic import TrafficTracker, traffic_view
 from kvgate.render import WEIGHT_SCALE, Runtime
-from kvgate.ring import Ring, key_point, node_points, pool_ring
+from oracles.ring import Ring, key_point, node_points, pool_ring
 
 WEIGHTS = [1, 2, 1, 3]  # policy weights → nginx weight=100, 200, 100, 300
 
@@ -153,7 +153,7 @@ def test_python_ring_predicts_the_gateway_with_unequal_weights(weighted: Gateway
 
     # ... and traffic_view finds every request at home
     weights = {n.id: n.weight * WEIGHT_SCALE for n in gw.policy.pools[0].nodes}
-    (view,) = traffic_view(gw.redis.client(), gw.policy, weights, window_s=300)
+    (view,) = traffic_view(gw.redis.client(), gw.policy, window_s=300)
     assert view["pool"] == "default" and view["requests"] == view["routed"] == len(sessions)
     assert view["affinity_ratio"] == 1.0 and view["at_home"] == len(sessions)
     assert (view["failovers"], view["errors"], view["truncated"]) == (0, 0, False)
@@ -186,11 +186,62 @@ def test_down_node_keys_move_to_the_next_point(weighted: Gateway) -> None:
         was_drained = sum(home.home(key_point("s:" + s)) == drained for s in sessions)
         assert 10 < was_drained < 80
         _wait_log(gw, len(sessions))
-        (view,) = traffic_view(gw.redis.client(), gw.policy, weights, window_s=300)
+        (view,) = traffic_view(gw.redis.client(), gw.policy, window_s=300)
         # the drained node's keys are still homed there: they count as away from home
         assert view["routed"] == len(sessions)
         assert view["at_home"] == len(sessions) - was_drained
         assert view["failovers"] == 0
+    finally:
+        gw.nginx.apply(gw.policy)
+
+
+def test_logged_home_and_node_under_a_drain(weighted: Gateway) -> None:
+    """Issue 10: the gateway logs each request's node and its key's home node (the home ring:
+    every node at its runtime home_weight, a drained node at its target), for chash and for
+    round_robin alike; the request log's fields agree with the oracle, and traffic_view reads
+    them as they are."""
+    gw = weighted
+    nodes = gw.policy.pools[0].nodes
+    weights = {n.id: n.weight * WEIGHT_SCALE for n in nodes}
+    drained = gw.sims[1].node_id  # weight 200; its target 300 here (not its base weight)
+    weights[drained] = 0
+    home_weights = {**weights, drained: 300}
+    home_ring = pool_ring(gw.policy, "default", home_weights)
+    live = pool_ring(gw.policy, "default", weights)
+    http = requests.Session()
+    try:
+        for balancer in ("chash", "round_robin"):
+            gw.redis.client().delete("kvgate:log")
+            rt = Runtime(weights=weights, home_weights=home_weights, balancers={"default": balancer},
+                         states={drained: "drained"})
+            assert gw.nginx.apply(gw.policy, rt) == "pushed"
+            sessions = [f"{balancer}-{i}" for i in range(80)]
+            served = {s: _served_by(gw, s, http) for s in sessions}
+            by_key = {e["point"]: e for e in _wait_log(gw, len(sessions))}
+            away = 0
+            for s in sessions:
+                p = key_point("s:" + s)
+                e = by_key[str(p)]
+                assert e["node"] == served[s] != drained, (balancer, s)
+                assert e["home"] == home_ring.home(p), (balancer, s, e)
+                if balancer == "chash":
+                    assert e["node"] == live.route(p)
+                    if e["home"] != drained:
+                        assert e["node"] == e["home"]  # only the drained node's keys moved
+                away += e["node"] != e["home"]
+            homed_drained = sum(home_ring.home(key_point("s:" + s)) == drained for s in sessions)
+            assert homed_drained > 5
+            if balancer == "chash":
+                assert away == homed_drained
+            else:
+                assert away > homed_drained  # round robin scatters keys against their home
+            (view,) = traffic_view(gw.redis.client(), gw.policy, window_s=300)
+            assert (view["routed"], view["at_home"]) == (len(sessions), len(sessions) - away)
+        # a home only with a route key (its point)
+        gw.redis.client().delete("kvgate:log")
+        assert gw.chat("no key here", max_tokens=1).status_code == 200
+        (e,) = _wait_log(gw, 1)
+        assert e["home"] == "" or e["point"] != "", e
     finally:
         gw.nginx.apply(gw.policy)
 
@@ -218,7 +269,7 @@ def test_equal_point_hashes_keep_the_lowest_id(ring_fleet: Fleet) -> None:
             served = _served_by(gw, forge_session(f"dup{n}-", target), http)
             if served != ring.home(target):
                 wrong.append((h, sorted(owners), served, ring.home(target)))
-    assert not wrong, f"the gateway disagrees with kvgate.ring on shared hashes: {wrong}"
+    assert not wrong, f"the gateway disagrees with the oracle ring on shared hashes: {wrong}"
     # and what the ring (so the gateway) keeps is the point of the lowest id
     for h, owners in shared.items():
         idx = ring.index(h)
@@ -242,17 +293,17 @@ def test_failover_is_logged_and_leaves_home(weighted: Gateway) -> None:
         assert _served_by(gw, s, http) == ring.route(key_point("s:" + s), skip=[dead.node_id])
         if i == len(sessions) // 2:
             _wait_log(gw, i + 1)
-            tracker.update(gw.redis.client(), gw.policy, {})
+            tracker.update(gw.redis.client(), gw.policy)
     entries = _wait_log(gw, len(sessions))
     tries = [int(e["tries"]) for e in entries]
     # the dead node is tried once, then skipped for FAIL_TIMEOUT_S by every worker (kvgate_state)
     assert 1 <= tries.count(2) <= gw.policy.gateway.worker_processes
     assert set(tries) <= {1, 2}
     now = time.time()
-    (view,) = traffic_view(gw.redis.client(), gw.policy, {}, window_s=300, now=now)
-    tracker.update(gw.redis.client(), gw.policy, {}, now=now)
+    (view,) = traffic_view(gw.redis.client(), gw.policy, window_s=300, now=now)
+    tracker.update(gw.redis.client(), gw.policy, now=now)
     assert tracker.view(gw.policy, now=now) == [view]
-    (view,) = traffic_view(gw.redis.client(), gw.policy, {}, window_s=time.time() - t0 + 5)
+    (view,) = traffic_view(gw.redis.client(), gw.policy, window_s=time.time() - t0 + 5)
     assert view["failovers"] == tries.count(2)
     assert view["routed"] == len(sessions)
     assert view["at_home"] == len(sessions) - len(homed_dead)

@@ -131,7 +131,8 @@ H.test("round_robin: nginx's smooth weighted sequence (5, 1, 1 -> a a b a c a a)
     end
     H.eq(table.concat(seq, " "), "a a b a c a a a a b a c a a")
     H.eq(ngx.ctx.kvgate.balancer.node, "a")
-    H.eq(ngx.ctx.kvgate.balancer.home, "a") -- no key: home = the node chosen
+    -- no key: no home (issue 10: the home is the key's node on the home ring, logged "")
+    H.eq(ngx.ctx.kvgate.balancer.home, nil)
 end)
 
 H.test("round_robin: weight 0 skipped; a failed node skipped by every worker; all failed -> tried again", function()
@@ -273,6 +274,109 @@ H.test("chash: weights from the runtime; a rebuild with the same ring weights re
     peers.mark_failed(b3, b3.by_id.b)
     local b4 = assert(chash.new(p, prt, b3))
     H.eq(b4.by_id.b.failed, true)
+end)
+
+-- the oracle of a key's home: a fresh ring of every node at its home weight
+local function oracle(weights)
+    local nodes = {}
+    for id, w in pairs(weights) do
+        nodes[#nodes + 1] = { id = id, weight = w }
+    end
+    return assert(ring.new(nodes))
+end
+
+H.test("home: chash's steady state is one ring, one lookup; a drained node's keys stay homed on it", function()
+    reset()
+    local p, prt = pool({ 100, 300, 100 })
+    local b = assert(chash.new(p, prt))
+    H.truthy(b.home_is_ring)
+    H.eq(b.home_ring, b.ring) -- no second ring
+    for i = 1, 100 do
+        KEY = "s:h" .. i
+        request(chash, b)
+        H.eq(ngx.ctx.kvgate.balancer.home, ngx.ctx.kvgate.balancer.node)
+    end
+    -- b drained (weight 0) with its home weight 300 (its target): keys of b go elsewhere,
+    -- but b stays their home; nobody else's home moves
+    prt.nodes.b = { weight = 0, state = "draining", home_weight = 300 }
+    local b2 = assert(chash.new(p, prt, b))
+    H.eq(b2.home_is_ring, false)
+    local want = oracle({ a = 100, b = 300, c = 100 })
+    local moved = 0
+    for i = 1, 300 do
+        KEY = "s:h" .. i
+        local got = request(chash, b2)[1]
+        local home = ring.home(want, ring.crc32(KEY)).id
+        H.ne(got, "b")
+        H.eq(ngx.ctx.kvgate.balancer.home, home, KEY)
+        if home == "b" then
+            moved = moved + 1
+        else
+            H.eq(got, home, KEY)
+        end
+    end
+    H.truthy(moved > 50 and moved < 250, "moved " .. moved)
+    -- the home ring is kept by a rebuild that changes no home weight (a state change)
+    local hr = b2.home_ring
+    prt.nodes.b.state = "drained"
+    local b3 = assert(chash.new(p, prt, b2))
+    H.eq(b3.home_ring, hr)
+    -- without home_weight (an older control plane): the weight, or the base weight when 0
+    local p4, prt4 = pool({ 100, 0, 100 })
+    p4.nodes[2].weight = 200
+    local b4 = assert(chash.new(p4, prt4))
+    H.eq(b4.by_id.b.hw, 200)
+    H.eq(b4.by_id.a.hw, 100)
+    want = oracle({ a = 100, b = 200, c = 100 })
+    for i = 1, 100 do
+        KEY = "s:o" .. i
+        request(chash, b4)
+        H.eq(ngx.ctx.kvgate.balancer.home, ring.home(want, ring.crc32(KEY)).id, KEY)
+    end
+    -- no key: round robin, no home
+    KEY = nil
+    request(chash, b4)
+    H.eq(ngx.ctx.kvgate.balancer.home, nil)
+end)
+
+H.test("home: round_robin and least_conn log the key's home ring node, built at the first keyed request", function()
+    for _, impl in ipairs({ rr, lc }) do
+        reset()
+        local p, prt = pool({ 100, 100, 100 })
+        prt.nodes.c = { weight = 0, state = "drained", home_weight = 100 }
+        local b = assert(impl.new(p, prt))
+        KEY = nil
+        for _ = 1, 5 do
+            request(impl, b)
+            H.eq(ngx.ctx.kvgate.balancer.home, nil, impl.NAME)
+            inflight.finish()
+        end
+        H.eq(b.home_ring, nil, impl.NAME) -- keyless requests never build it
+        local want = oracle({ a = 100, b = 100, c = 100 })
+        local away, homed_c = 0, 0
+        for i = 1, 90 do
+            KEY = "s:r" .. i
+            local got = request(impl, b)[1]
+            inflight.finish()
+            local home = ring.home(want, ring.crc32(KEY)).id
+            H.eq(ngx.ctx.kvgate.balancer.home, home, impl.NAME .. " " .. KEY)
+            H.ne(got, "c")
+            away = away + (got ~= home and 1 or 0)
+            homed_c = homed_c + (home == "c" and 1 or 0)
+        end
+        H.truthy(homed_c > 0 and away >= homed_c, impl.NAME) -- scattered against the home
+        H.truthy(b.home_ring, impl.NAME)
+        -- kept across a runtime that changes no home weight (a's weight changes, its home
+        -- weight stays)
+        prt.nodes.a.weight, prt.nodes.a.home_weight = 50, 100
+        local b2 = assert(impl.new(p, prt, b))
+        H.eq(b2.home_ring, b.home_ring, impl.NAME)
+        prt.nodes.a.home_weight = 300
+        local b3 = assert(impl.new(p, prt, b2))
+        H.eq(b3.home_ring, nil, impl.NAME)
+        prt.nodes.a.weight, prt.nodes.a.home_weight = 100, nil
+    end
+    KEY = nil
 end)
 
 H.test("inflight: begin once per request, move on failover, finish once; older call forms", function()

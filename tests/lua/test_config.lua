@@ -69,6 +69,11 @@ end
 
 H.test("a runtime naming every pool and node of kvgate.json passes", function()
     H.eq(config.check_runtime(doc(), static()), true)
+    -- home_weight is optional (an older control plane sends none) and >= 1 when sent
+    local d = doc()
+    d.pools.p1.nodes.n2.home_weight = 100
+    d.pools.p1.nodes.n1.home_weight = 1
+    H.eq(config.check_runtime(d, static()), true)
 end)
 
 H.test("a bad runtime is refused at the path of its first bad field", function()
@@ -90,6 +95,11 @@ H.test("a bad runtime is refused at the path of its first bad field", function()
         { function(d) d.pools.p1.nodes.n2.weight = nil end, "pools.p1.nodes.n2.weight" },
         { function(d) d.pools.p1.nodes.n2.state = "" end, "pools.p1.nodes.n2.state" },
         { function(d) d.pools.p1.nodes.n2.port = 1 end, "pools.p1.nodes.n2.port" },
+        { function(d) d.pools.p1.nodes.n2.home_weight = 0 end, "pools.p1.nodes.n2.home_weight" },
+        { function(d) d.pools.p1.nodes.n2.home_weight = 2.5 end, "pools.p1.nodes.n2.home_weight" },
+        { function(d) d.pools.p1.nodes.n2.home_weight = "100" end, "pools.p1.nodes.n2.home_weight" },
+        { function(d) d.pools.p1.nodes.n2.home_weight = config.MAX_WEIGHT + 1 end,
+          "pools.p1.nodes.n2.home_weight" },
         { function(d) d.cache = nil end, "cache" },
         { function(d) d.cache.namespace_version = 1.5 end, "cache.namespace_version" },
         { function(d) d.cache.namespace_version = true end, "cache.namespace_version" },

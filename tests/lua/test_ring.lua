@@ -2,7 +2,7 @@ local H = dofile("tests/lua/helper.lua")
 local ring = require "kvgate.balancer.ring"
 local cjson = require "cjson.safe"
 
--- golden vectors written by the oracle (control/kvgate/ring.py, tests/unit/test_ring.py)
+-- golden vectors written by the oracle (tests/oracles/ring.py, tests/unit/test_ring.py)
 local f = assert(io.open("tests/data/ring_vectors.json", "rb"))
 local V = assert(cjson.decode(f:read("*a")))
 f:close()

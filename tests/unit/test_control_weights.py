@@ -221,6 +221,12 @@ def test_runtime_for_states() -> None:
     rt = runtime_for(_policy(), records, {"p1": {"degraded": True}})
     assert dict(rt.weights) == {"a": 180, "b": 50, "c": 0}
     assert dict(rt.balancers) == {"p1": "least_conn"}
+    # the home ring's weights: the serving weights (kvgate.fleet.weights.serving_weights); the states
+    assert dict(rt.home_weights) == {"a": 180, "b": 50, "c": 100}
+    assert dict(rt.states) == {"a": "active", "b": "ramping", "c": "joining"}
+    drained = runtime_for(_policy(), {**records, "a": rec("a", "drained", base=2, target=180)}, {})
+    assert (drained.weights["a"], drained.home_weights["a"], drained.states["a"]) == (0, 180, "drained")
+    assert dict(runtime_for(_policy(), {}, {}).states) == {"a": "active", "b": "active", "c": "active"}
     for state in ("joining", "warming", "draining", "drained", "ejected"):
         assert runtime_for(_policy(), {"b": rec("b", state, target=100)}, {}).weights["b"] == 0
     # a base weight that changed in the policy overrides a stale stored target
@@ -238,8 +244,8 @@ def test_weight_zero_renders_down() -> None:
     assert "weight=" not in up and " down" not in up
     assert re.search(r"^\s*server 127\.0\.0\.1:9002;", up, re.M), up
     nodes = runtime_document(_policy(), runtime)["pools"]["p1"]["nodes"]
-    assert nodes["a"] == {"weight": 150, "state": "active"}
-    assert nodes["b"] == {"weight": 0, "state": "down"}
+    assert nodes["a"] == {"weight": 150, "state": "active", "home_weight": 150}
+    assert nodes["b"] == {"weight": 0, "state": "down", "home_weight": 100}
     # c is not in the runtime: its policy weight × WEIGHT_SCALE
     assert nodes["c"]["weight"] == 100
     assert {n: v["weight"] for n, v in nodes.items()} == {"a": 150, "b": 0, "c": 100}

@@ -92,7 +92,8 @@ def test_chash_upstream_with_weights() -> None:
     # a node taken out (weight 0) is the runtime's: pushed, the static files stay as they are
     down = Runtime(weights={"b": 0})
     assert render(_policy(), default_lua_dir(), down) == files
-    assert runtime_document(_policy(), down)["pools"]["p1"]["nodes"]["b"] == {"weight": 0, "state": "down"}
+    assert runtime_document(_policy(), down)["pools"]["p1"]["nodes"]["b"] == {"weight": 0, "state": "down",
+                                                                             "home_weight": 100}
 
 
 def test_node_hosts_are_resolved_for_the_lua_balancer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -284,17 +285,24 @@ def test_runtime_document_shape() -> None:
     ]})
     assert runtime_document(p) == {
         "pools": {
-            "p1": {"balancer": "chash", "nodes": {"a": {"weight": 300, "state": "active"},
-                                                  "b": {"weight": 100, "state": "active"}}},
-            "p2": {"balancer": "round_robin", "nodes": {"c": {"weight": 100, "state": "active"}}},
+            "p1": {"balancer": "chash", "nodes": {"a": {"weight": 300, "state": "active", "home_weight": 300},
+                                                  "b": {"weight": 100, "state": "active", "home_weight": 100}}},
+            "p2": {"balancer": "round_robin", "nodes": {"c": {"weight": 100, "state": "active",
+                                                              "home_weight": 100}}},
         },
         "cache": {"namespace_version": 3},
     }
     rt = Runtime(weights={"a": 75, "b": 0, "x": 5}, balancers={"p2": "least_conn"}, namespace_version=9,
                  states={"a": "ramping", "b": "draining"})
     doc = runtime_document(p, rt)
-    assert doc["pools"]["p1"]["nodes"] == {"a": {"weight": 75, "state": "ramping"}, "b": {"weight": 0, "state": "draining"}}
-    assert doc["pools"]["p2"] == {"balancer": "least_conn", "nodes": {"c": {"weight": 100, "state": "active"}}}
+    assert doc["pools"]["p1"]["nodes"] == {"a": {"weight": 75, "state": "ramping", "home_weight": 75},
+                                           "b": {"weight": 0, "state": "draining", "home_weight": 100}}
+    assert doc["pools"]["p2"] == {"balancer": "least_conn", "nodes": {"c": {"weight": 100, "state": "active",
+                                                                            "home_weight": 100}}}
+    # home_weight: the runtime's serving weight when it has one (a drained node's target)
+    rt2 = Runtime(weights={"a": 0, "b": 0}, home_weights={"a": 250})
+    nodes = runtime_document(p, rt2)["pools"]["p1"]["nodes"]
+    assert (nodes["a"]["home_weight"], nodes["b"]["home_weight"]) == (250, 100)
     assert doc["cache"] == {"namespace_version": 9}
     # the namespace never goes below the policy's
     assert runtime_document(p, Runtime(namespace_version=2))["cache"] == {"namespace_version": 3}

@@ -1,4 +1,4 @@
-"""kvgate.ring, the oracle of the gateway's ring (lua/kvgate/balancer/ring.lua): points from
+"""tests/oracles/ring.py, the oracle of the gateway's ring (lua/kvgate/balancer/ring.lua): points from
 node ids, checked against an independent CRC-32 written the way nginx's
 ngx_crc32_init/update/final are, against golden vectors (tests/data/ring_vectors.json, which
 tests/lua/test_ring.lua checks the Lua ring against too) and against the Lua ring itself on
@@ -21,8 +21,11 @@ from typing import Any
 
 import pytest
 
+if __name__ == "__main__":  # run as a script: tests/ for the oracles (pytest: pyproject's pythonpath)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from kvgate.policy.loader import parse_policy
-from kvgate.ring import DOWN_WEIGHT, Ring, key_point, node_points, pool_ring
+from oracles.ring import DOWN_WEIGHT, Ring, key_point, node_points, pool_ring
 
 REPO = Path(__file__).resolve().parents[2]
 VECTORS = REPO / "tests" / "data" / "ring_vectors.json"
@@ -110,7 +113,7 @@ def golden_vectors() -> dict[str, Any]:
         rings.append({**spec, "size": len(ring), "first": list(ring.hashes[:3]), "last": ring.hashes[-1],
                       "cases": cases})
     return {"about": "golden vectors of kvgate's chash ring (tests/unit/test_ring.py writes them from "
-                     "control/kvgate/ring.py; tests/lua/test_ring.lua checks lua/kvgate/balancer/ring.lua)",
+                     "tests/oracles/ring.py; tests/lua/test_ring.lua checks lua/kvgate/balancer/ring.lua)",
             "points": points, "rings": rings}
 
 

@@ -17,9 +17,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvgate.web.admin import traffic
-from kvgate.web.admin.traffic import TrafficTracker, cache_stats, home_weights, traffic_view
+from kvgate.web.admin.traffic import TrafficTracker, cache_stats, traffic_view
 from kvgate.policy.loader import parse_policy
-from kvgate.ring import key_point, pool_ring
+from kvgate.render import Runtime, runtime_document
+from oracles.ring import key_point, pool_ring
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 
@@ -75,14 +76,30 @@ BASE = {n.id: n.weight * 100 for n in POLICY.nodes()}
 RING_A = pool_ring(POLICY, "a", BASE)
 
 
+def _home(pool: str, point: int | None, cache: str) -> str:
+    """The home the gateway logs with every node at its base weight: the key's node on the
+    pool's home ring (the oracle's), "" for a HIT or an entry without a key."""
+    if point is None or cache == "HIT":
+        return ""
+    for policy in (POLICY, POLICY_B_GONE):
+        if any(p.name == pool for p in policy.pools):
+            return pool_ring(policy, pool, {}).home(point)
+    return ""
+
+
 def add(r: redis.Redis, *, pool: str = "a", node: str = "", status: int = 200, cache: str = "BYPASS",
         kind: str = "session", key: str = "", point: int | None = None, tries: int | None = 1,
-        ts: float | None = None, n: int = 1, old: bool = False) -> None:
+        ts: float | None = None, n: int = 1, old: bool = False, home: str | None = None,
+        no_home: bool = False) -> None:
+    """One entry (``n`` times). ``home``: the logged home (default :func:`_home`); ``old``: an
+    entry from before ``point``/``tries``/``home``; ``no_home``: from before ``home`` only."""
     fields = {"ts": f"{time.time() if ts is None else ts:.3f}", "pool": pool, "node": node, "status": str(status),
               "cache": cache, "kind": kind, "fp": "", "key": key, "ms": "5"}
     if not old:
         fields["point"] = "" if point is None else str(point)
         fields["tries"] = "" if tries is None else str(tries)
+        if not no_home:
+            fields["home"] = _home(pool, point, cache) if home is None else home
     for _ in range(n):
         r.xadd("kvgate:log", fields)
 
@@ -98,7 +115,6 @@ def other_than(node: str) -> str:
 
 
 def view(r: redis.Redis, **kw) -> dict[str, dict]:
-    kw.setdefault("weights", BASE)
     return {v["pool"]: v for v in traffic_view(r, POLICY, **kw)}
 
 
@@ -145,7 +161,9 @@ def test_hot_keys_top_ten_by_requests(r: redis.Redis) -> None:
 def test_drained_node_keeps_its_keys_home(r: redis.Redis) -> None:
     """a2 drained (weight 0): its keys went to their next node, and count as away from home."""
     weights = {**BASE, "a2": 0}
-    assert home_weights(POLICY, weights)["a2"] == 200
+    # the home ring's weight of a drained node: its base weight (the runtime's home_weight;
+    # the gateway logs each entry's home on that ring)
+    assert runtime_document(POLICY, Runtime(weights=weights))["pools"]["a"]["nodes"]["a2"]["home_weight"] == 200
     live = pool_ring(POLICY, "a", weights)
     moved = stayed = 0
     for i in range(60):
@@ -158,14 +176,16 @@ def test_drained_node_keeps_its_keys_home(r: redis.Redis) -> None:
         else:
             stayed += 1
     assert moved and stayed
-    a = view(r, weights=weights)["a"]
+    a = view(r)["a"]
     assert (a["routed"], a["at_home"]) == (60, stayed)
-    # a weight change moves the home: judged against the weights in force
+    # a weight change moves the home: judged against the weights in force (the gateway logs
+    # the home on the ring of the weights in force)
     k, p, _ = session("w")
     heavy = {**BASE, "a1": 1000}
     r.delete("kvgate:log")
-    add(r, node=pool_ring(POLICY, "a", heavy).home(p), key=k, point=p)
-    assert view(r, weights=heavy)["a"]["at_home"] == 1
+    home = pool_ring(POLICY, "a", heavy).home(p)
+    add(r, node=home, key=k, point=p, home=home)
+    assert view(r)["a"]["at_home"] == 1
 
 
 def test_round_robin_pool_and_keyless_entries(r: redis.Redis) -> None:
@@ -203,10 +223,10 @@ def test_empty_log_decoded_client_and_redis_errors(r: redis.Redis, redis_server:
     k, p, h = session("dec")
     add(r, node=h, key=k, point=p)
     text_client = redis.Redis(port=redis_server, decode_responses=True)
-    assert traffic_view(text_client, POLICY, BASE)[0]["at_home"] == 1
+    assert traffic_view(text_client, POLICY)[0]["at_home"] == 1
     dead = redis.Redis(port=_free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
     with pytest.raises(redis.RedisError):
-        traffic_view(dead, POLICY, BASE)
+        traffic_view(dead, POLICY)
     with pytest.raises(redis.RedisError):
         cache_stats(dead, 1)
 
@@ -244,7 +264,7 @@ def test_without_scripting_the_plain_command_is_used(r: redis.Redis, redis_serve
         limited = redis.Redis(port=redis_server, username="noscript", password="x")
         with pytest.raises(redis.ResponseError):
             limited.eval("return 1", 0)
-        got = {v["pool"]: v for v in traffic_view(limited, POLICY, BASE)}
+        got = {v["pool"]: v for v in traffic_view(limited, POLICY)}
         assert got == expected and got["a"]["at_home"] == 3 and got["a"]["failovers"] == 1
     finally:
         r.acl_deluser("noscript")
@@ -304,10 +324,10 @@ def tracked(t: TrafficTracker, policy=POLICY, **kw) -> dict[str, dict]:
 def test_tracker_reads_only_new_entries_and_matches_traffic_view(r: redis.Redis, monkeypatch) -> None:
     spy = PageSpy(monkeypatch)
     t = TrafficTracker()
-    t.update(r, POLICY, BASE)  # no stream yet: nothing read, the next update backfills
+    t.update(r, POLICY)  # no stream yet: nothing read, the next update backfills
     assert spy.calls == [] and t.stats()["cursor"] is None and tracked(t)["a"]["requests"] == 0
     mixed(r, "x")
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     assert [c[3] for c in spy.calls] == [True]  # the backfill: newest first
     assert spy.rows() == 11
     assert tracked(t) == view(r)
@@ -316,7 +336,7 @@ def test_tracker_reads_only_new_entries_and_matches_traffic_view(r: redis.Redis,
     mixed(r, "y")
     k, p, h = session("x1")
     add(r, node=h, key=k, point=p, n=4)
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     # oldest first, from the id after the last one read: only the 15 new entries
     assert [(c[0], c[3]) for c in spy.calls] == [(traffic._after(traffic._sid(cursor)), False)]
     assert spy.rows() == 15
@@ -324,7 +344,7 @@ def test_tracker_reads_only_new_entries_and_matches_traffic_view(r: redis.Redis,
     spy.calls.clear()
     a = tracked(t)["a"]
     assert a["requests"] == 2 * 8 + 4 and a["hot_keys"][0]["key"] == k and a["hot_keys"][0]["requests"] == 8
-    t.update(r, POLICY, BASE)  # nothing new: nothing read
+    t.update(r, POLICY)  # nothing new: nothing read
     assert spy.calls == [] and tracked(t) == view(r)
     s = t.stats()
     assert (s["updates"], s["entries_read"], s["lagging"], s["gaps"]) == (4, 26, False, 0)
@@ -334,21 +354,21 @@ def test_tracker_steps_are_capped_and_catch_up(r: redis.Redis, redis_server: int
     monkeypatch.setattr(traffic, "PAGE", 4)
     t = TrafficTracker(max_step=10)
     mixed(r, "s")
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     for i in range(25):
         k, p, h = session(f"lag{i}")
         add(r, node=h, key=k, point=p)
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     assert t.lagging and t.stats()["entries_read"] == 11 + 10
     assert tracked(t)["a"]["requests"] == 8 + 10
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     assert t.lagging and tracked(t)["a"]["requests"] == 8 + 20
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     assert not t.lagging and tracked(t) == view(r)
     # a client that decodes, and no scripting: the same figures
     text_client = redis.Redis(port=redis_server, decode_responses=True)
     t2 = TrafficTracker(max_step=10)
-    t2.update(text_client, POLICY, BASE)
+    t2.update(text_client, POLICY)
     assert tracked(t2) == view(r)
 
 
@@ -358,9 +378,9 @@ def test_tracker_without_scripting(r: redis.Redis, redis_server: int) -> None:
         limited = redis.Redis(port=redis_server, username="noscript2", password="x")
         t = TrafficTracker()
         mixed(r, "n")
-        t.update(limited, POLICY, BASE)
+        t.update(limited, POLICY)
         mixed(r, "m")
-        t.update(limited, POLICY, BASE)
+        t.update(limited, POLICY)
         assert tracked(t) == view(r) and tracked(t)["a"]["requests"] == 16
     finally:
         r.acl_deluser("noscript2")
@@ -374,7 +394,7 @@ def test_tracker_window_expiry_by_bucket(r: redis.Redis) -> None:
     add(r, node=h2, key=k2, point=p2, ts=t0 - 5)  # bucket [t0 - 15, t0)
     add(r, node=h2, key=k1, point=p1, ts=t0 - 70)  # before the window when read
     t = TrafficTracker(window_s=60, bucket_s=15)
-    t.update(r, POLICY, BASE, now=t0)
+    t.update(r, POLICY, now=t0)
     assert tracked(t, now=t0)["a"]["requests"] == 3
     # the edge moves by whole buckets: t0 - 50 is kept while part of its bucket is in the window
     assert tracked(t, now=t0 + 14)["a"]["requests"] == 3
@@ -384,7 +404,7 @@ def test_tracker_window_expiry_by_bucket(r: redis.Redis) -> None:
     # an update later on drops what expired too, and takes only entries in its window
     add(r, node=h1, key=k1, point=p1, ts=t0 + 50)
     add(r, node=h1, key=k1, point=p1, ts=t0 - 10)  # logged late, before this update's window
-    t.update(r, POLICY, BASE, now=t0 + 60)
+    t.update(r, POLICY, now=t0 + 60)
     a = tracked(t, now=t0 + 60)["a"]
     assert a["requests"] == 1 and a["hot_keys"][0]["key"] == k1
     assert t.stats()["buckets"] == 1 and t.stats()["window_keys"] == 1
@@ -399,12 +419,12 @@ def test_tracker_truncated_backfill(r: redis.Redis) -> None:
     for i in range(30):
         add(r, node="a1", ts=now - 30 + i, point=5)
     t = TrafficTracker(max_backfill=20)
-    t.update(r, POLICY, BASE, now=now + 1)
+    t.update(r, POLICY, now=now + 1)
     a = tracked(t, now=now + 1)["a"]
     assert a["truncated"] is True and a["requests"] == 20 and 10 < a["covered_s"] < 30
     assert a == view(r, max_entries=20, now=now + 1)["a"]
     add(r, node="a1", ts=now + 2, point=5)
-    t.update(r, POLICY, BASE, now=now + 3)
+    t.update(r, POLICY, now=now + 3)
     assert tracked(t, now=now + 3)["a"]["requests"] == 21
     # once the window starts after the oldest entry taken, nothing is missing any more
     later = tracked(t, now=now + 900)["a"]
@@ -414,46 +434,46 @@ def test_tracker_truncated_backfill(r: redis.Redis) -> None:
 def test_tracker_stream_trimmed_deleted_or_replaced(r: redis.Redis) -> None:
     t = TrafficTracker()
     mixed(r, "t")
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     before = tracked(t)
     r.xtrim("kvgate:log", maxlen=0)  # entries trimmed before they were read
     k, p, h = session("t9")
     add(r, node="cache", cache="HIT", tries=0, key=k, point=p)
     r.xtrim("kvgate:log", maxlen=0)
     add(r, node=h, key=k, point=p, n=2)
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     a = tracked(t)["a"]
     assert t.gaps == 1 and a["requests"] == before["a"]["requests"] + 2 and a["cache"]["HIT"] == 1
     r.delete("kvgate:log")  # the stream is gone: nothing to read, the figures stay
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     assert tracked(t)["a"] == a and t.gaps == 1
     # back, with newer ids: read from its start. A stream made anew in the same millisecond
     # as the last id read would get an id at or below it (Redis starts at <ms>-0): that is the
     # "older ids" case below, so let the clock move on first
     time.sleep(0.003)
     add(r, node=h, key=k, point=p)
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     assert tracked(t)["a"]["requests"] == a["requests"] + 1 and t.gaps == 2
     # replaced by a stream whose ids are older than the last one read (a restored
     # snapshot): what it holds counts as read, reading goes on after its last id
     r.delete("kvgate:log")
     old_id = int((time.time() - 60) * 1000)
     r.xadd("kvgate:log", {"ts": f"{time.time() - 60:.3f}", "pool": "a", "node": h, "status": "200",
-                          "cache": "BYPASS", "kind": "session", "key": k, "point": str(p), "tries": "1"},
-           id=f"{old_id}-0")
-    t.update(r, POLICY, BASE)
+                          "cache": "BYPASS", "kind": "session", "key": k, "point": str(p), "tries": "1",
+                          "home": h}, id=f"{old_id}-0")
+    t.update(r, POLICY)
     assert tracked(t)["a"]["requests"] == a["requests"] + 1 and t.gaps == 3
     assert t.stats()["cursor"] == f"{old_id}-0"
     add(r, node=h, key=k, point=p, n=2)
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     assert tracked(t)["a"]["requests"] == a["requests"] + 3 and t.gaps == 3
     # trimmed to nothing (the stream stays, empty): one gap, then up to date
     add(r, node=h, key=k, point=p, n=2)
     r.xtrim("kvgate:log", maxlen=0)
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     assert t.gaps == 4 and not t.lagging and t.stats()["cursor"] == r.xinfo_stream("kvgate:log")[
         "last-generated-id"].decode()
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     assert t.gaps == 4 and tracked(t)["a"]["requests"] == a["requests"] + 3
 
 
@@ -463,7 +483,7 @@ def test_tracker_key_cap_folds_the_tail(r: redis.Redis) -> None:
     for i, (k, p, h) in enumerate(keys):
         add(r, node=h, key=k, point=p, n=8 - i, ts=ts)  # 8, 7, ... 1 requests
     t = TrafficTracker(max_keys=5)
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     a = tracked(t)["a"]
     assert [k["requests"] for k in a["hot_keys"]] == [8, 7, 6, 5, 4]
     assert a["hot_keys"][0]["share"] == 8 / 36 and a["requests"] == a["routed"] == a["at_home"] == 36
@@ -471,7 +491,7 @@ def test_tracker_key_cap_folds_the_tail(r: redis.Redis) -> None:
     # a new key with more requests than the 5th enters; the 5th is folded (its 4 requests stay in the totals)
     k, p, h = session("cap-new")
     add(r, node=h, key=k, point=p, n=10, ts=ts)
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     a = tracked(t)["a"]
     assert [x["requests"] for x in a["hot_keys"]] == [10, 8, 7, 6, 5] and a["hot_keys"][0]["key"] == k
     assert a["hot_keys"][0]["share"] == 10 / 46 and t.stats()["folded"] == 10
@@ -481,15 +501,15 @@ def test_tracker_key_cap_folds_the_tail(r: redis.Redis) -> None:
 def test_tracker_policy_change(r: redis.Redis) -> None:
     t = TrafficTracker()
     mixed(r, "p")
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     before = tracked(t)
     assert before["b"]["requests"] == 1
     k, p, _ = session("p1")
     ring2 = pool_ring(POLICY_B_GONE, "a", {})
-    add(r, node=ring2.home(p), key=k, point=p, n=2)
+    add(r, node=ring2.home(p), key=k, point=p, n=2, home=ring2.home(p))
     add(r, pool="b", node="b1", kind="prefix")  # b left the policy: ignored
     add(r, pool="c", node="c1", key=k, point=p)
-    t.update(r, POLICY_B_GONE, {})
+    t.update(r, POLICY_B_GONE)
     after = tracked(t, policy=POLICY_B_GONE)
     assert list(after) == ["a", "c"]
     a = after["a"]
@@ -510,24 +530,26 @@ def test_tracker_home_is_judged_at_the_update(r: redis.Redis) -> None:
     t = TrafficTracker()
     for k, p, h in moved:
         add(r, node=h, key=k, point=p)
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     for k, p, _ in moved:
-        add(r, node=ring_heavy.home(p), key=k, point=p)
-    t.update(r, POLICY, heavy)
+        add(r, node=ring_heavy.home(p), key=k, point=p, home=ring_heavy.home(p))
+    t.update(r, POLICY)
     a = tracked(t)["a"]
     assert (a["routed"], a["at_home"]) == (10, 10)
-    assert view(r, weights=heavy)["a"]["at_home"] == 5  # traffic_view judges all on the weights given
+    # issue 10: traffic_view reads the logged homes too, so it keeps each entry's judgement
+    # (it judged all on the weights given when it rebuilt the ring itself: 5)
+    assert view(r)["a"]["at_home"] == 10
     assert {x["home"] for x in a["hot_keys"]} == {ring_heavy.home(p) for _, p, _ in moved}  # the newest
 
 
 def test_tracker_failed_update_changes_nothing(r: redis.Redis, monkeypatch) -> None:
     t = TrafficTracker()
     mixed(r, "f")
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     before, stats = tracked(t), t.stats()
     dead = redis.Redis(port=_free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
     with pytest.raises(redis.RedisError):
-        t.update(dead, POLICY, BASE)
+        t.update(dead, POLICY)
     assert tracked(t) == before and t.stats() == stats
     # Redis failing after a page was read and aggregated: still nothing changes
     monkeypatch.setattr(traffic, "PAGE", 3)
@@ -543,14 +565,14 @@ def test_tracker_failed_update_changes_nothing(r: redis.Redis, monkeypatch) -> N
     monkeypatch.setattr(traffic, "_page", failing)
     mixed(r, "g")
     with pytest.raises(redis.ConnectionError):
-        t.update(r, POLICY, BASE)
+        t.update(r, POLICY)
     assert tracked(t) == before and t.stats() == stats
-    t.update(r, POLICY, BASE)  # the same entries again, once
+    t.update(r, POLICY)  # the same entries again, once
     assert tracked(t) == view(r) and t.stats()["entries_read"] == 22
     # a first update that fails leaves the tracker to backfill next time
     t2 = TrafficTracker()
     with pytest.raises(redis.RedisError):
-        t2.update(dead, POLICY, BASE)
+        t2.update(dead, POLICY)
     assert t2.stats()["cursor"] is None and t2.stats()["updates"] == 0
 
 
@@ -559,14 +581,14 @@ def test_tracker_starts_over_after_a_pause_longer_than_the_window(r: redis.Redis
     k, p, h = session("w9")
     for i in range(3):  # logged 5 minutes ago (the stream ids say so too)
         r.xadd("kvgate:log", {"ts": f"{now - 300:.3f}", "pool": "a", "node": h, "status": "200", "cache": "BYPASS",
-                              "kind": "session", "key": k, "point": str(p), "tries": "1"},
+                              "kind": "session", "key": k, "point": str(p), "tries": "1", "home": h},
                id=f"{int((now - 300) * 1000)}-{i}")
     t = TrafficTracker(window_s=60)
-    t.update(r, POLICY, BASE, now=now - 290)
+    t.update(r, POLICY, now=now - 290)
     assert tracked(t, now=now - 290)["a"]["requests"] == 3
     spy = PageSpy(monkeypatch)
     add(r, node=h, key=k, point=p, ts=now)
-    t.update(r, POLICY, BASE, now=now + 1)
+    t.update(r, POLICY, now=now + 1)
     # the last id read is older than the window: a backfill (newest first), not the backlog
     assert [c[3] for c in spy.calls] == [True]
     assert tracked(t, now=now + 1)["a"]["requests"] == 1 and t.stats()["buckets"] == 1
@@ -577,7 +599,7 @@ def test_tracker_concurrent_updates_count_once(r: redis.Redis, redis_server: int
 
     t = TrafficTracker()
     mixed(r, "c")
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     for i in range(300):
         k, p, h = session(f"c{i % 7}")
         add(r, node=h, key=k, point=p)
@@ -585,7 +607,7 @@ def test_tracker_concurrent_updates_count_once(r: redis.Redis, redis_server: int
 
     def run() -> None:
         try:
-            t.update(redis.Redis(port=redis_server), POLICY, BASE)
+            t.update(redis.Redis(port=redis_server), POLICY)
             t.view(POLICY)
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
@@ -615,9 +637,34 @@ def test_an_entry_with_a_non_finite_ts_counts_at_its_stream_time(r: redis.Redis)
     key, point, home = session("nan")
     for bad in ("nan", "inf", "1e400", "-inf"):
         r.xadd("kvgate:log", {"ts": bad, "pool": "a", "node": home, "status": "200", "cache": "MISS",
-                              "kind": "session", "fp": "", "key": key, "ms": "5", "point": str(point), "tries": "1"})
+                              "kind": "session", "fp": "", "key": key, "ms": "5", "point": str(point), "tries": "1",
+                              "home": home})
     t = TrafficTracker(window_s=900)
-    t.update(r, POLICY, BASE)
+    t.update(r, POLICY)
     a = tracked(t)["a"]
     assert a["requests"] == 4 and a["at_home"] == 4
     assert view(r)["a"]["requests"] == 4
+
+
+def test_entries_without_a_logged_home_are_unknown(r: redis.Redis) -> None:
+    """Issue 10: the figures come from the logged ``node`` and ``home``. An entry with a point
+    but no ``home`` (written by a gateway before the field) is unknown: counted in requests and
+    cache, not in routed/at_home; no ring is rebuilt for it. A HIT logs no home: the hot key's
+    home is the one logged by its other entries."""
+    k, p, h = session("unknown")
+    add(r, node=h, key=k, point=p, n=3, no_home=True)  # before the field
+    add(r, node=h, key=k, point=p, n=2)  # logged with its home
+    add(r, node="cache", cache="HIT", key=k, point=p, tries=0)  # newest: a HIT, no home
+    a = view(r)["a"]
+    assert a["requests"] == 6 and a["cache"]["HIT"] == 1
+    assert (a["routed"], a["at_home"]) == (2, 2)
+    (hot,) = a["hot_keys"]
+    assert hot["requests"] == 6 and hot["home"] == h and hot["nodes"] == {h: 5, "cache": 1}
+    # the same through a tracker reading oldest first
+    t = TrafficTracker()
+    t.update(r, POLICY)
+    add(r, node=other_than(h), key=k, point=p, home=h, tries=2)  # failed over: away from home
+    add(r, node="cache", cache="HIT", key=k, point=p, tries=0)
+    t.update(r, POLICY)
+    a = tracked(t)["a"]
+    assert (a["routed"], a["at_home"]) == (3, 2) and a["hot_keys"][0]["home"] == h

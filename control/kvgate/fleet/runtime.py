@@ -9,7 +9,8 @@ from typing import Any, Mapping
 from ..policy.model import Policy
 from ..render import Runtime
 from .records import NodeRecord, PoolState, node_records, pool_states
-from .weights import node_weight
+from . import states as st
+from .weights import node_weight, serving_weights
 
 
 def runtime_for(policy: Policy, records: Mapping[str, NodeRecord | Mapping[str, Any]],
@@ -19,7 +20,10 @@ def runtime_for(policy: Policy, records: Mapping[str, NodeRecord | Mapping[str, 
     ``active`` nodes get their target weight, ``ramping`` ones the ramp step's share of it,
     every other state 0 (nginx ``down``); a node without a record is ``joining`` (0) unless
     there are no records at all (a fresh fleet: every node at its base weight), see
-    :func:`kvgate.fleet.weights.node_weight`. Pools in overload degrade get ``least_conn``.
+    :func:`kvgate.fleet.weights.node_weight`. ``home_weights``: the serving weights of those
+    (:func:`kvgate.fleet.weights.serving_weights`, the home ring's); ``states``: each record's
+    state (``joining`` without one, ``active`` for every node of a fresh fleet). Pools in
+    overload degrade get ``least_conn``.
     ``namespace_floor``: the highest cache namespace version ever in force; the runtime's is
     the policy's unless that is lower.
     """
@@ -27,7 +31,10 @@ def runtime_for(policy: Policy, records: Mapping[str, NodeRecord | Mapping[str, 
     weights = {node.id: node_weight(recs.get(node.id), node.weight, policy.ramp.steps, fresh_fleet=not recs)
                for node in policy.nodes()}
     balancers = {name: "least_conn" for name, p in pool_states(pools).items() if p.degraded}
-    runtime = Runtime(weights=weights, balancers=balancers)
+    states = {node.id: (recs[node.id].state if node.id in recs else (st.ACTIVE if not recs else st.JOINING))
+              for node in policy.nodes()}
+    runtime = Runtime(weights=weights, balancers=balancers, states=states,
+                      home_weights=serving_weights(policy, weights, recs))
     if namespace_floor > policy.cache.namespace_version:
         runtime = dataclasses.replace(runtime, namespace_version=namespace_floor)
     return runtime

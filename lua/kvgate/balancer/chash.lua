@@ -16,12 +16,18 @@
 --   * an empty route key: smooth weighted round robin (nginx's), per worker.
 -- The ring is rebuilt only when a new runtime changes a node's ring weight (state-only
 -- changes and other pools' changes reuse it): a ring of 4 nodes at weight=100 is 64,000 points.
+-- The key's home (kctx.balancer.home, the request log's `home`) is its node on the home ring
+-- (kvgate.balancer.peers: node ids at their home weights). When every ring weight equals its
+-- home weight (every node taking traffic at its serving weight: the steady state) the two
+-- rings are one, and the home is the routing lookup's first point's node, no second lookup;
+-- otherwise (a node down, ramping ...) one more lookup on the home ring (built once per
+-- runtime version).
 local ring = require "kvgate.balancer.ring"
 local peers = require "kvgate.balancer.peers"
 
-local ngx = ngx
-local crc32_long = ngx.crc32_long
-local concat = table.concat
+local find = ring.find
+local skip_failed = peers.skip_failed
+local skip_down = peers.skip_down
 local sort = table.sort
 local ipairs = ipairs
 
@@ -38,16 +44,6 @@ _M.mark_failed = peers.mark_failed
 _M.refresh = peers.refresh
 _M.forget = peers.forget
 _M.node = peers.node
-
--- signature(nodes) -> "id=ring weight;..." in id order: equal signatures, equal rings
-local function signature(nodes)
-    local parts = {}
-    for i = 1, #nodes do
-        parts[i] = nodes[i].id .. "=" .. nodes[i].weight
-    end
-    sort(parts)
-    return concat(parts, ";")
-end
 
 local function by_id(a, b)
     return a.id < b.id
@@ -66,7 +62,7 @@ function _M.new(pool, prt, prev)
         -- the ring's weight: a node not taking traffic keeps nginx's `down` place (weight 1)
         node.weight = node.w > 0 and node.w or _M.DOWN_WEIGHT
     end
-    local sig = signature(b.nodes)
+    local sig = peers.signature(b.nodes, "weight")
     local r
     if prev and prev.sig == sig and prev.ring then
         -- same ids and weights: the same points; only the node tables are new (ring.nodes is
@@ -87,30 +83,29 @@ function _M.new(pool, prt, prev)
     end
     b.ring = r
     b.sig = sig
+    -- the routing ring is the home ring when every ring weight is the home weight
+    b.home_is_ring = sig == b.home_sig
+    if b.home_is_ring then
+        b.home_ring = r
+    end
     return b
 end
 
---- start(b, st, kctx): the key's CRC-32 (st.point; none for an empty key: round robin)
-function _M.start(b, st, kctx)
-    -- set by the route stage (kvgate.stage.route); $kvgate_route_key where no stage ran (a
-    -- bare nginx driving this module: tests); none: round robin
-    local key = kctx.route.key
-    if key == nil then
-        key = ngx.var.kvgate_route_key
-    end
-    if key and key ~= "" then
-        st.point = crc32_long(key)
-    end
-end
+--- start(b, st, kctx): the key's CRC-32 (st.point, peers.start; none for an empty key:
+-- round robin)
+_M.start = peers.start
 
 --- pick(b, st, tried) -> node, home | nil[, home]
 -- st.point: the key's CRC-32 (nil: round robin); tried: node id -> true
 function _M.pick(b, st, tried)
     local point = st.point
     if point then
-        local node, home = ring.find(b.ring, point, peers.skip_failed, tried)
+        local node, home = find(b.ring, point, skip_failed, tried)
         if not node then
-            node = ring.find(b.ring, point, peers.skip_down, tried)
+            node = find(b.ring, point, skip_down, tried)
+        end
+        if not b.home_is_ring then
+            home = peers.home(b, point)
         end
         return node, home
     end

@@ -4,7 +4,8 @@
 -- nginx's own least_conn counts per worker). Nodes with equal scores share requests by
 -- smooth weighted round robin (as nginx tries them "in turn"). Down (weight 0), failed and
 -- tried nodes are skipped; when every node taking traffic is failed they are tried again.
--- Tries, failure marks and the in-flight count: kvgate.balancer.peers.
+-- Tries, failure marks and the in-flight count: kvgate.balancer.peers; a keyed request's
+-- home: its node on the pool's home ring (peers.home).
 local peers = require "kvgate.balancer.peers"
 local inflight = require "kvgate.inflight"
 
@@ -24,9 +25,8 @@ function _M.new(pool, prt, prev)
     return b
 end
 
---- start(b, st, kctx): nothing to read
-function _M.start()
-end
+--- start(b, st, kctx): the route key's point (peers.start), for the key's home
+_M.start = peers.start
 
 -- least(b, tried, skip, counts) -> node | nil: the lowest inflight/weight (compared as
 -- a.n × b.w < b.n × a.w), ties by smooth weighted round robin
@@ -67,15 +67,18 @@ local function least(b, tried, skip, counts)
     return best
 end
 
---- pick(b, st, tried) -> node | nil
-function _M.pick(b, _, tried)
+--- pick(b, st, tried) -> node, home | nil[, home]: home = the key's node on the home ring
+-- (peers.home; nil without a route key)
+function _M.pick(b, st, tried)
     local nodes = b.nodes
     local counts = {}
     for i = 1, #nodes do
         local node = nodes[i]
         counts[i] = node.w > 0 and count(node.inflight_key) or 0
     end
-    return least(b, tried, peers.skip_failed, counts) or least(b, tried, peers.skip_down, counts)
+    local point = st.point
+    local home = point and peers.home(b, point) or nil
+    return least(b, tried, peers.skip_failed, counts) or least(b, tried, peers.skip_down, counts), home
 end
 
 --- balance(b): balancer_by_lua for one try of the request

@@ -8,10 +8,20 @@
 --       pool: the pool of kvgate.json (name, nodes = {{id, address, peer}}); prt: the pool's
 --       part of the runtime ({balancer, nodes = {[id] = {weight, state}}}; nil: the weights of
 --       kvgate.json); prev: the instance it replaces (nil at first), for state worth keeping
---   impl.start(b, st, kctx)            first try of a request: read what pick needs (chash: the key)
+--   impl.start(b, st, kctx)            first try of a request: read what pick needs (the key's
+--                                      point: peers.start)
 --   impl.pick(b, st, tried) -> node, home | nil
---       tried: node id -> true (nil on the first try); home: the key's home node (chash)
+--       tried: node id -> true (nil on the first try); home: the key's home node (nil
+--       without a route key)
 -- and peers.balance(impl, b) runs one try with it.
+--
+-- The home ring: a key's *home* node (logged as `home` in the request log, the admin page's
+-- affinity) is its node on a ring of the pool's node ids at their home weights (the
+-- runtime's home_weight: the serving weight, which for a node not taking traffic is its
+-- target weight), the same ketama construction as chash's routing ring. So a drain shows as
+-- keys away from home and moves no other node's homes, whatever the balancer. Built once
+-- per instance, lazily at the first keyed request (a pool whose requests carry no key never
+-- builds it), and kept across instances while no home weight changes.
 --
 -- Failures: balancer_by_lua has no max_fails, so a try that failed (error, timeout, 502,
 -- 503: get_last_failure() = "failed") marks its node in the shared dict kvgate_state for
@@ -27,6 +37,7 @@
 -- (set_more_tries(1 - servers)): that node's own 502/503 then reaches the client, as with
 -- nginx's native balancers, instead of a retry with no node left ("no live upstreams").
 local ngx_balancer = require "ngx.balancer"
+local ring = require "kvgate.balancer.ring"
 local kvctx = require "kvgate.ctx"
 local inflight = require "kvgate.inflight"
 local klog = require "kvgate.log"
@@ -44,6 +55,10 @@ local tostring = tostring
 local match = string.match
 local sub = string.sub
 local lower = string.lower
+local concat = table.concat
+local sort = table.sort
+local ring_home = ring.home
+local crc32_long = ngx.crc32_long
 
 local _M = {}
 
@@ -88,8 +103,10 @@ function _M.fail_key(pool, id)
 end
 
 --- nodes(pool, prt) -> array of nodes in kvgate.json's order | nil, err
--- node: {id, w (the runtime's weight, 0 = not taking traffic), down, host, port, cw (smooth
--- round robin), failed, fail_key, inflight_key}; plus eligible (nodes with w > 0) and by_id
+-- node: {id, w (the runtime's weight, 0 = not taking traffic), hw (the home ring's weight >= 1:
+-- the runtime's home_weight; without one w, or the node's base weight in kvgate.json when w
+-- is 0), down, host, port, cw (smooth round robin), failed, fail_key, inflight_key}; plus
+-- eligible (nodes with w > 0) and by_id
 function _M.nodes(pool, prt)
     if type(pool) ~= "table" or type(pool.nodes) ~= "table" then
         return nil, "no nodes"
@@ -103,9 +120,14 @@ function _M.nodes(pool, prt)
         end
         local r = rnodes and rnodes[n.id]
         local w = tonumber(r and r.weight or (not rnodes and n.weight)) or 0
+        local hw = tonumber(r and r.home_weight)
+        if not hw or hw < 1 then
+            hw = w > 0 and w or tonumber(n.weight) or 1
+        end
         local node = {
             id = n.id,
             w = w > 0 and w or 0,
+            hw = hw >= 1 and hw or 1,
             down = w <= 0,
             state = r and r.state,
             host = host,
@@ -142,7 +164,70 @@ function _M.base(pool, prt, prev)
             end
         end
     end
-    return { pool = pool.name, nodes = nodes, by_id = by_id, eligible = eligible, servers = #nodes }
+    local hsig = _M.signature(nodes, "hw")
+    local b = { pool = pool.name, nodes = nodes, by_id = by_id, eligible = eligible, servers = #nodes,
+                home_sig = hsig }
+    if prev and prev.home_sig == hsig then
+        -- same ids and home weights: the same home ring (its nodes are looked up by id)
+        b.home_ring = prev.home_ring
+    end
+    return b
+end
+
+--- signature(nodes, field) -> "id=<node[field]>;..." in id order: equal signatures, equal rings
+function _M.signature(nodes, field)
+    local parts = {}
+    for i = 1, #nodes do
+        parts[i] = nodes[i].id .. "=" .. nodes[i][field]
+    end
+    sort(parts)
+    return concat(parts, ";")
+end
+
+--- home_ring(b) -> the pool's home ring (kvgate.balancer.ring of {id, weight = hw}) | false
+-- (it cannot be built: logged once per instance); built at the first call, kept in b
+function _M.home_ring(b)
+    local r = b.home_ring
+    if r == nil then
+        local list = {}
+        for i, node in ipairs(b.nodes) do
+            list[i] = { id = node.id, weight = node.hw }
+        end
+        local err
+        r, err = ring.new(list)
+        if not r then
+            ngx.log(ngx.ERR, "kvgate pool ", b.pool, ": no home ring: ", err)
+            r = false
+        end
+        b.home_ring = r
+    end
+    return r
+end
+
+--- home(b, point) -> the node of b (a table of b.nodes) that is the key's home: the owner of
+-- the key's point on the home ring; nil when there is no home ring
+function _M.home(b, point)
+    local r = b.home_ring
+    if r == nil then
+        r = _M.home_ring(b)
+    end
+    if not r then
+        return nil
+    end
+    return b.by_id[ring_home(r, point).id]
+end
+
+--- start(b, st, kctx): the route key's CRC-32 in st.point (its place on the rings; none for
+-- an empty key). The key is the route stage's (kctx.route.key); $kvgate_route_key where no
+-- stage ran (a bare nginx driving the balancer: tests, the benchmark)
+function _M.start(_, st, kctx)
+    local key = kctx.route.key
+    if key == nil then
+        key = ngx.var.kvgate_route_key
+    end
+    if key and key ~= "" then
+        st.point = crc32_long(key)
+    end
 end
 
 --- skip_failed(node, tried): down, tried by this request, or failed recently
@@ -222,8 +307,8 @@ local function busy(b)
 end
 
 --- balance(impl, b): balancer_by_lua for one try of the request
--- kctx.balancer across the tries: node (chosen id), home (the key's home id; = node for
--- balancers without a key), try, tried (id -> true), and what impl.start keeps
+-- kctx.balancer across the tries: node (chosen id), home (the key's home id on the home
+-- ring; nil without a route key), try, tried (id -> true), and what impl.start keeps
 function _M.balance(impl, b)
     local kctx = kvctx.get()
     local st = kctx.balancer
@@ -259,7 +344,7 @@ function _M.balance(impl, b)
         return busy(b)
     end
     st.node = node.id
-    st.home = home and home.id or node.id
+    st.home = home and home.id or nil
     if try == 1 then
         if b.eligible == 1 and b.servers > 1 then
             set_more_tries(1 - b.servers)

@@ -1,5 +1,5 @@
 -- The consistent-hash ring of a chash pool: ketama points built from node ids.
--- PURE (no ngx.*): control/kvgate/ring.py is its executable spec and test oracle
+-- PURE (no ngx.*): tests/oracles/ring.py is its executable spec and test oracle
 -- (tests/data/ring_vectors.json holds golden vectors both are checked against).
 --
 -- Construction (nginx's ketama, ngx_http_upstream_init_chash, with the node id where

@@ -4,6 +4,8 @@
 -- are neither failed recently nor tried by this request; when every such node is failed,
 -- they are tried again. Weights 5, 1, 1 give a a b a c a a. A new runtime starts the
 -- sequence afresh. Tries, failure marks and the in-flight count: kvgate.balancer.peers.
+-- A keyed request's home (the request log's `home`) is its node on the pool's home ring
+-- (peers.home), wherever round robin sends it.
 local peers = require "kvgate.balancer.peers"
 
 local _M = {}
@@ -15,13 +17,15 @@ function _M.new(pool, prt, prev)
     return peers.base(pool, prt, prev)
 end
 
---- start(b, st, kctx): nothing to read
-function _M.start()
-end
+--- start(b, st, kctx): the route key's point (peers.start), for the key's home
+_M.start = peers.start
 
---- pick(b, st, tried) -> node | nil
-function _M.pick(b, _, tried)
-    return peers.rr(b.nodes, tried, peers.skip_failed) or peers.rr(b.nodes, tried, peers.skip_down)
+--- pick(b, st, tried) -> node, home | nil[, home]: home = the key's node on the home ring
+-- (peers.home; nil without a route key)
+function _M.pick(b, st, tried)
+    local point = st.point
+    local home = point and peers.home(b, point) or nil
+    return peers.rr(b.nodes, tried, peers.skip_failed) or peers.rr(b.nodes, tried, peers.skip_down), home
 end
 
 --- balance(b): balancer_by_lua for one try of the request

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from typing import Any
@@ -38,7 +39,6 @@ import redis
 
 from ...policy.loader import parse_policy
 from ...policy.model import Policy
-from ...ring import key_point, pool_ring
 from ...web.admin.traffic import STREAM, TrafficTracker, traffic_view
 
 NODES = 4
@@ -89,13 +89,13 @@ class Filler:
 
     def __init__(self, policy: Policy, keys: int, seed: int = 1) -> None:
         self.rng = random.Random(seed)
-        ring = pool_ring(policy, "bench", {})
         self.nodes = [n.id for n in policy.pools[0].nodes]
         self.keys = []
         for i in range(keys):
             route_key = f"s:bench-{i}"
-            point = key_point(route_key)
-            self.keys.append((f"{point:016x}", str(point), ring.home(point)))
+            point = zlib.crc32(route_key.encode())  # the gateway's point (ngx.crc32_long)
+            # the home the gateway would log: any fixed node per key does for the figures' cost
+            self.keys.append((f"{point:016x}", str(point), self.nodes[point % NODES]))
         # Zipf-like popularity: key i drawn with weight 1 / (i + 1)
         self.cum = []
         total = 0.0
@@ -109,7 +109,7 @@ class Filler:
         if distinct:
             self.distinct += 1
             route_key = f"s:distinct-{self.distinct}"
-            point = key_point(route_key)
+            point = zlib.crc32(route_key.encode())
             key, point_s, home = f"{point:016x}", str(point), self.nodes[point % NODES]
         else:
             i = min(len(self.cum) - 1, self._pick(rng.random() * self.cum[-1]))
@@ -123,7 +123,8 @@ class Filler:
         elif x < 0.16:
             node, status, tries = "", "502", "2"
         return {"ts": f"{ts:.3f}", "pool": "bench", "node": node, "status": status, "cache": cache,
-                "kind": "session", "fp": "", "key": key, "ms": "120", "point": point_s, "tries": tries}
+                "kind": "session", "fp": "", "key": key, "ms": "120", "point": point_s, "tries": tries,
+                "home": "" if cache == "HIT" else home}
 
     def _pick(self, v: float) -> int:
         lo, hi = 0, len(self.cum)
@@ -181,7 +182,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="entries of the worst case (each a new key; read without a backfill limit)")
     args = ap.parse_args(argv)
     policy = bench_policy()
-    weights: dict[str, int] = {}
     filler = Filler(policy, args.keys)
     rows: list[tuple[str, float, float, str]] = []
 
@@ -192,13 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"filled {args.entries} entries ({args.keys} keys, {NODES} nodes) in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
-        full = traffic_view(r, policy, weights, window_s=WINDOW_S)
+        full = traffic_view(r, policy, window_s=WINDOW_S)
         rows.append(("traffic_view (full window)", *best_of(args.runs, lambda: traffic_view(
-            r, policy, weights, window_s=WINDOW_S)), f"{full[0]['requests']} entries"))
+            r, policy, window_s=WINDOW_S)), f"{full[0]['requests']} entries"))
 
         def backfilled() -> TrafficTracker:
             t = TrafficTracker(window_s=WINDOW_S)
-            t.update(r, policy, weights)
+            t.update(r, policy)
             return t
 
         holder: dict[str, TrafficTracker] = {}
@@ -214,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
 
         before = tracker.stats()["entries_read"]
         rows.append((f"tracker.update() after {args.step} new", *best_of(
-            args.runs, lambda: tracker.update(r, policy, weights), setup=more),
+            args.runs, lambda: tracker.update(r, policy), setup=more),
             f"{(tracker.stats()['entries_read'] - before) // args.runs} read per update"))
         rows.append(("tracker.view()", *best_of(args.runs, lambda: tracker.view(policy)), "no Redis"))
-        check = traffic_view(r, policy, weights, window_s=WINDOW_S, max_entries=10 ** 7)[0]
+        check = traffic_view(r, policy, window_s=WINDOW_S, max_entries=10 ** 7)[0]
         mine = tracker.view(policy)[0]
         same = all(mine[k] == check[k] for k in ("requests", "cache", "routed", "at_home", "failovers", "errors"))
 
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def unbounded() -> TrafficTracker:
             t = TrafficTracker(window_s=WINDOW_S, max_backfill=10 ** 7)
-            t.update(r, policy, weights)
+            t.update(r, policy)
             return t
 
         held, peak = memory(unbounded)

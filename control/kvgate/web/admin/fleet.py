@@ -246,8 +246,7 @@ class TrafficCache:
 
         policy = plane.policy
         assert policy is not None
-        weights = plane.serving_weights()
-        key = (id(policy), tuple(sorted(weights.items())))
+        key = id(policy)  # the figures depend on the policy only (the homes are logged)
         with self._lock:
             if not (self._key == key and time.monotonic() - self._at < TRAFFIC_CACHE_S):
                 r = self.redis_for(policy.redis.url)
@@ -256,7 +255,7 @@ class TrafficCache:
                     self._tracker_url = policy.redis.url
                 value: dict[str, Any] = {"pools": None, "cache": None, "error": None}
                 try:
-                    self._tracker.update(r, policy, weights)
+                    self._tracker.update(r, policy)
                     value["pools"] = {p["pool"]: p for p in self._tracker.view(policy)}
                 except redis.RedisError as exc:
                     value["error"] = f"the gateway's Redis ({policy.redis.url}) cannot be read: {exc}"

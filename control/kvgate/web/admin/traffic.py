@@ -1,10 +1,10 @@
 """Traffic figures for the admin page, read from the gateway's request log and cache in Redis.
 
 :class:`TrafficTracker` follows the request-log stream ``kvgate:log`` (written by
-``lua/kvgate/reqlog.lua``: ``ts pool node status cache kind fp key ms point tries``) and
+``lua/kvgate/reqlog.lua``: ``ts pool node status cache kind fp key ms point tries home``) and
 gives, per pool over a window: cache outcomes, the **affinity ratio** (share of routed
-requests served by their route key's *home* node on the gateway's consistent-hash ring,
-rebuilt by :mod:`kvgate.ring` from the entry's ``point``), failovers, 5xx errors and the hottest
+requests served by their route key's *home* node: the entry's ``node`` against its ``home``,
+both logged by the gateway's balancer; no ring here), failovers, 5xx errors and the hottest
 route keys. It reads the window once, then only the entries added since its last update,
 and keeps per-pool time buckets in memory. :func:`traffic_view` gives the same figures in
 one go (a tracker used once). :func:`cache_stats` counts the response-cache entries
@@ -21,15 +21,13 @@ import heapq
 import math
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import redis
 
 from ... import keys
-from ...fleet.weights import WEIGHT_SCALE
 from ...policy.model import Policy
-from ...ring import Ring, pool_ring
 
 STREAM = keys.LOG_STREAM
 """The request-log stream (``reqlog.lua``'s ``_M.STREAM``)."""
@@ -58,18 +56,7 @@ def _int(v: str) -> int | None:
         return None
 
 
-def home_weights(policy: Policy, weights: Mapping[str, int]) -> dict[str, int]:
-    """The weights of the ring that defines a key's *home*: the weights in force, except
-    that a node at 0 (down: draining, drained, ejected, joining, warming) counts at its base
-    weight × ``WEIGHT_SCALE``, as if it were up."""
-    out: dict[str, int] = {}
-    for node in policy.nodes():
-        w = int(weights.get(node.id, node.weight * WEIGHT_SCALE))
-        out[node.id] = w if w > 0 else node.weight * WEIGHT_SCALE
-    return out
-
-
-FIELDS = ("ts", "pool", "node", "status", "cache", "kind", "key", "point", "tries")
+FIELDS = ("ts", "pool", "node", "status", "cache", "kind", "key", "point", "tries", "home")
 """The entry fields read (``fp`` and ``ms`` are not needed here)."""
 
 _US, _RS = "\x1f", "\x1e"
@@ -101,7 +88,7 @@ end
 return table.concat(out, '\\30')
 """ % ", ".join(f"'{f}'" for f in FIELDS)
 
-Row = tuple  # (id, ts, pool, node, status, cache, kind, key, point, tries): strings, FIELDS order
+Row = tuple  # (id, ts, pool, node, status, cache, kind, key, point, tries, home): strings, FIELDS order
 
 
 def _page(r: redis.Redis, first: str, last: str, count: int = PAGE, reverse: bool = True) -> list[Row]:
@@ -248,7 +235,9 @@ class _PoolWindow:
                 bkeys[key] = rec
             else:
                 brec[_N] += rec[_N]
-                brec[_KIND], brec[_HOME] = rec[_KIND], rec[_HOME]
+                brec[_KIND] = rec[_KIND]
+                if rec[_HOME]:  # a HIT logs no home: the last known one stays
+                    brec[_HOME] = rec[_HOME]
                 _add_nodes(brec, rec)
             w = wkeys.get(key)
             if w is None:
@@ -256,7 +245,11 @@ class _PoolWindow:
             else:
                 w[_N] += rec[_N]
                 if idx >= w[_AT]:
-                    w[_KIND], w[_HOME], w[_AT] = rec[_KIND], rec[_HOME], idx
+                    w[_KIND], w[_AT] = rec[_KIND], idx
+                    if rec[_HOME]:
+                        w[_HOME] = rec[_HOME]
+                elif not w[_HOME]:
+                    w[_HOME] = rec[_HOME]
                 _add_nodes(w, rec)
         if len(bkeys) > max_keys:
             ranked = sorted(bkeys.items(), key=lambda kv: (-kv[1][_N], kv[0]))
@@ -288,14 +281,10 @@ class _PoolWindow:
 class _Delta:
     """Entries read by one update, aggregated per pool and bucket (outside the lock)."""
 
-    def __init__(self, policy: Policy, weights: Mapping[str, int], bucket_s: float, cutoff: float,
-                 newest_first: bool) -> None:
-        hw = home_weights(policy, weights)
-        self.rings: dict[str, Ring] = {p.name: pool_ring(policy, p.name, hw) for p in policy.pools}
+    def __init__(self, policy: Policy, bucket_s: float, cutoff: float, newest_first: bool) -> None:
         self.node_ids = {p.name: frozenset(n.id for n in p.nodes) for p in policy.pools}
         self.bucket_s, self.cutoff, self.newest_first = bucket_s, cutoff, newest_first
         self.pools: dict[str, dict[int, _Bucket]] = {p.name: {} for p in policy.pools}
-        self.homes: dict[tuple[str, int], str] = {}
         self.strs: dict[str, str] = {}
         self.taken = 0
         self.oldest: float | None = None
@@ -304,8 +293,8 @@ class _Delta:
         """Aggregate the rows; entries with ``ts`` before the cutoff are skipped. With
         ``limit``: stop before the in-window entry that would exceed it; False then."""
         bucket_s, cutoff, newest_first = self.bucket_s, self.cutoff, self.newest_first
-        pools, homes, rings, node_ids, strs = self.pools, self.homes, self.rings, self.node_ids, self.strs
-        for entry_id, ts_s, pool, node, status, cache, kind, key, point_s, tries in rows:
+        pools, node_ids, strs = self.pools, self.node_ids, self.strs
+        for entry_id, ts_s, pool, node, status, cache, kind, key, point_s, tries, home in rows:
             try:
                 ts = float(ts_s)
             except ValueError:
@@ -338,21 +327,19 @@ class _Delta:
                 t = _int(tries)
                 if t is not None and t > 1:
                     c[_FAILOVERS] += 1
-            if not point_s:
-                continue
-            point = _int(point_s)
-            if point is None:
-                continue
+            if not point_s or _int(point_s) is None:
+                continue  # no route key
             hit = cache == "HIT"
             if not hit and node in ("", "cache"):
                 continue  # no node answered (every node failed)
-            home = homes.get((pool, point))
-            if home is None:
-                home = homes[(pool, point)] = rings[pool].home(point)
-            if not hit:
-                c[_ROUTED] += 1
-                if node == home and node in node_ids[pool]:
-                    c[_AT_HOME] += 1
+            if home:
+                home = strs.setdefault(home, home)
+                if not hit:
+                    c[_ROUTED] += 1
+                    if node == home and node in node_ids[pool]:
+                        c[_AT_HOME] += 1
+            # no home: a HIT (never balanced), or an entry logged before the gateway logged
+            # homes (issue 10): unknown, outside routed/at_home
             if key:
                 c[_KEYED] += 1
                 # one str object per distinct kind and node in the records, not one per entry
@@ -364,7 +351,11 @@ class _Delta:
                     continue
                 rec[_N] += 1
                 if not newest_first:
-                    rec[_KIND], rec[_HOME] = kind, home
+                    rec[_KIND] = kind
+                    if home:
+                        rec[_HOME] = home
+                elif not rec[_HOME]:
+                    rec[_HOME] = home
                 for j in range(_NODES, len(rec), 2):
                     if rec[j] == served:
                         rec[j + 1] += 1
@@ -394,16 +385,15 @@ class TrafficTracker:
     and a window holds at most 61 buckets per pool, which bounds memory (below) and the
     work of expiry. (10 s: 91 buckets for no visible gain; 60 s: a 7 % edge.)
 
-    **Home.** A key's home is computed by the update that reads the entry, on the ring of
-    the ``weights`` given to *that* update (:func:`home_weights`), i.e. the weights in
-    force about when the request was served (the admin page updates every few seconds).
-    An entry keeps that judgement: a later weight change does not re-judge it (unlike
-    :func:`traffic_view`, which judges every entry against the weights passed to it). A
-    hot key's ``home`` and ``kind`` are those of its newest entry.
+    **Home.** A key's home is the entry's ``home`` field, logged by the gateway's balancer
+    on the home ring in force when the request was served (see :func:`traffic_view`); a
+    later weight change does not re-judge an entry. Entries without a ``home`` (cache HITs,
+    entries older than the field) are outside ``routed``/``at_home``. A hot key's ``kind``
+    is that of its newest entry, its ``home`` the newest one logged.
 
     **Policy changes.** The pools are those of the policy given to the update: buckets of
     a pool that left it are dropped, entries of pools it does not have are ignored, and a
-    pool whose nodes changed keeps its buckets (their entries were judged on the ring of
+    pool whose nodes changed keeps its buckets (their entries were judged on the home ring of
     their time).
 
     **Memory.** Each bucket keeps at most ``max_keys`` route keys (default 1000), the
@@ -463,15 +453,13 @@ class TrafficTracker:
         """Stream entries read by all updates (in the window or not)."""
 
     # ---------------------------------------------------------------- update
-    def update(self, r: redis.Redis, policy: Policy, weights: Mapping[str, int], now: float | None = None) -> None:
+    def update(self, r: redis.Redis, policy: Policy, now: float | None = None) -> None:
         """Read the entries added since the last update (the first: the window) and fold
         them in.
 
         Args:
             r: Redis client (``decode_responses`` either way).
-            policy: the policy in force (its pools and their nodes' addresses).
-            weights: nginx weights in force per node id (0 = down), as for
-                :func:`traffic_view`; the home of the entries read now is judged on them.
+            policy: the policy in force (its pools and their nodes).
             now: the window's end (default: ``time.time()``).
 
         Raises:
@@ -493,14 +481,14 @@ class TrafficTracker:
             gap = lagging = False
             floor: float | None = None
             if cursor is None:
-                delta = _Delta(policy, weights, self.bucket_s, cutoff, newest_first=True)
+                delta = _Delta(policy, self.bucket_s, cutoff, newest_first=True)
                 new_cursor = None if info is None else info[0]
                 if new_cursor is not None:
                     complete, read = self._backfill(r, delta, new_cursor, cutoff)
                     if not complete:
                         floor = now if delta.oldest is None else delta.oldest
             else:
-                delta = _Delta(policy, weights, self.bucket_s, cutoff, newest_first=False)
+                delta = _Delta(policy, self.bucket_s, cutoff, newest_first=False)
                 new_cursor = cursor
                 if info is not None:
                     last, first = info
@@ -633,7 +621,7 @@ def _ratio(n: int, d: int) -> float | None:
     return n / d if d else None
 
 
-def traffic_view(r: redis.Redis, policy: Policy, weights: Mapping[str, int], window_s: float = 900,
+def traffic_view(r: redis.Redis, policy: Policy, window_s: float = 900,
                  max_entries: int = 50000, now: float | None = None) -> list[dict[str, Any]]:
     """Per-pool traffic over the newest request-log entries, read in one go (a one-shot
     :class:`TrafficTracker` without a key cap). The admin page keeps a tracker instead,
@@ -644,22 +632,21 @@ def traffic_view(r: redis.Redis, policy: Policy, weights: Mapping[str, int], win
     entries were taken; in that case each pool says ``truncated: True`` and ``covered_s``
     tells how far back the figures reach.
 
-    A key's **home** is its node on a ring built from every node of the pool at its weight
-    in force (``weights``: node id → nginx weight, the control plane's
-    ``plane.applied.weights``; a node missing from it counts at base weight × 100), except
-    that a node at weight 0 (down: draining, drained, ejected, warming...) keeps its base
-    weight × 100 on that ring. So a drained node's keys stay homed on it, and the requests a
-    drain moved elsewhere count as *not at home*: that is the intent, since those keys' KV
-    cache is on the home node, and the ratio shows what a drain (or a failed node) costs.
-    With every node up, the home ring is the gateway's own ring and a request is away from home
-    only after a failover or a weight change (keys moved since the entry was logged: entries
-    are judged against the weights in force now). For ``round_robin`` and ``least_conn``
-    pools the same ring is used; their affinity ratio is then about 1/nodes, by chance.
+    A key's **home** is the entry's ``home`` field: the gateway's balancer logs the key's node
+    on the pool's *home ring* (lua/kvgate/balancer/peers.lua), built from every node of the
+    pool at its serving weight (the runtime's ``home_weight``,
+    :func:`kvgate.fleet.weights.serving_weights`: the weight in force, or for a node not taking
+    traffic — draining, drained, ejected, warming — its target weight). So a drained node's
+    keys stay homed on it, and the requests a drain moved elsewhere count as *not at home*:
+    that is the intent, since those keys' KV cache is on the home node, and the ratio shows
+    what a drain (or a failed node) costs. With every node up, the home ring is the gateway's
+    routing ring and a request is away from home only after a failover. Each entry is judged
+    by the home in force when it was served. For ``round_robin`` and ``least_conn`` pools the
+    same home ring is used; their affinity ratio is then about 1/nodes, by chance.
 
     Args:
         r: Redis client (``decode_responses`` either way).
         policy: the policy in force; entries of pools it does not have are ignored.
-        weights: nginx weights in force per node id (0 = down).
         window_s: how far back to read (seconds).
         max_entries: at most this many entries are read (all pools together).
         now: the window's end (default: ``time.time()``).
@@ -675,15 +662,16 @@ def traffic_view(r: redis.Redis, policy: Policy, weights: Mapping[str, int], win
              "truncated": bool}
 
         ``requests``: every entry of the pool in the window. ``routed``: entries served by
-        a node (not a cache HIT) that carry a ``point``; entries without one count in
-        ``requests`` and ``cache`` only: those written before the gateway logged
-        ``point``, and those without a route key (kind ``prefix`` in a ``round_robin`` or
-        ``least_conn`` pool, whose key is not computed). ``at_home``:
-        routed entries whose node is the key's home. ``failovers``: entries with ``tries >
+        a node (not a cache HIT) that carry a ``point`` and a ``home``; entries without one
+        count in ``requests`` and ``cache`` only: those written before the gateway logged
+        ``point`` or ``home`` (issue 10: *unknown*, no ring is rebuilt for them), and those
+        without a route key (kind ``prefix`` in a ``round_robin`` or ``least_conn`` pool,
+        whose key is not computed). ``at_home``: routed entries whose node is the key's home. ``failovers``: entries with ``tries >
         1`` (a second node was tried). ``errors``: status >= 500. ``hot_keys``: the 10 keys
         (16-hex hash of the route key, as logged) with most requests among routed and HIT
         entries that carry a key and a point; ``share`` is of all such requests of the pool;
-        ``nodes`` counts where they were served (``"cache"`` for HITs).
+        ``nodes`` counts where they were served (``"cache"`` for HITs); ``home`` is the newest
+        home logged for the key (``""`` when only HITs or older entries were seen).
 
     Raises:
         redis.RedisError: Redis failed.
@@ -691,7 +679,7 @@ def traffic_view(r: redis.Redis, policy: Policy, weights: Mapping[str, int], win
     now = time.time() if now is None else float(now)
     max_entries = max(0, int(max_entries))
     tracker = TrafficTracker(window_s=window_s, max_backfill=max_entries, max_keys=max(MAX_KEYS, max_entries))
-    tracker.update(r, policy, weights, now=now)
+    tracker.update(r, policy, now=now)
     return tracker.view(policy, now=now)
 
 

@@ -1,10 +1,12 @@
 """The consistent-hash ring of a ``chash`` pool, in Python: the executable spec and test
-oracle of the gateway's ring (``lua/kvgate/balancer/ring.lua``).
+oracle of the gateway's ring (``lua/kvgate/balancer/ring.lua``). Test code only since issue
+10 (was ``control/kvgate/ring.py``): the gateway logs each request's node and the key's home
+node itself, so nothing in the shipped package rebuilds the ring.
 
 A ``chash`` pool's upstream has a ``balancer_by_lua_block`` (``nginx/upstreams.conf.j2``)
 whose ring ``kvgate.balancer.chash`` builds from ``kvgate.json`` in ``init_by_lua`` (the
 master; workers inherit it by fork). This module
-builds the same ring, so the control plane can tell which node is a route key's *home*
+builds the same ring, so the tests can tell which node is a route key's *home*
 (where its KV cache lives) without asking nginx; ``tests/data/ring_vectors.json`` holds
 golden vectors both sides are checked against, and ``tests/integration/test_ring_nginx.py``
 checks this ring against the real gateway.
@@ -53,10 +55,10 @@ from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from .render import WEIGHT_SCALE
+from kvgate.render import WEIGHT_SCALE
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .policy.model import Policy
+    from kvgate.policy.model import Policy
 
 POINTS_PER_WEIGHT = 160
 """Ring points per unit of nginx ``weight=`` (nginx's ``npoints = peer->weight * 160``)."""
