@@ -301,6 +301,7 @@ H.test("home: chash's steady state is one ring, one lookup; a drained node's key
     prt.nodes.b = { weight = 0, state = "draining", home_weight = 300 }
     local b2 = assert(chash.new(p, prt, b))
     H.eq(b2.home_is_ring, false)
+    H.truthy(b2.home_ring and b2.home_ring ~= b2.ring) -- built with the instance, not in a request
     local want = oracle({ a = 100, b = 300, c = 100 })
     local moved = 0
     for i = 1, 300 do
@@ -373,7 +374,17 @@ H.test("home: round_robin and least_conn log the key's home ring node, built at 
         H.eq(b2.home_ring, b.home_ring, impl.NAME)
         prt.nodes.a.home_weight = 300
         local b3 = assert(impl.new(p, prt, b2))
-        H.eq(b3.home_ring, nil, impl.NAME)
+        -- a new home weight: a new home ring, built with the instance (the pool's requests
+        -- carry keys), the key's home from it
+        H.truthy(b3.home_ring and b3.home_ring ~= b2.home_ring, impl.NAME)
+        want = oracle({ a = 300, b = 100, c = 100 })
+        KEY = "s:r1"
+        request(impl, b3)
+        inflight.finish()
+        H.eq(ngx.ctx.kvgate.balancer.home, ring.home(want, ring.crc32(KEY)).id, impl.NAME)
+        -- a pool that never had a keyed request still builds none
+        local b4 = assert(impl.new(p, prt, assert(impl.new(p, prt))))
+        H.eq(b4.home_ring, nil, impl.NAME)
         prt.nodes.a.weight, prt.nodes.a.home_weight = 100, nil
     end
     KEY = nil

@@ -20,8 +20,8 @@
 -- (kvgate.balancer.peers: node ids at their home weights). When every ring weight equals its
 -- home weight (every node taking traffic at its serving weight: the steady state) the two
 -- rings are one, and the home is the routing lookup's first point's node, no second lookup;
--- otherwise (a node down, ramping ...) one more lookup on the home ring (built once per
--- runtime version).
+-- otherwise (a node down, ramping ...) one more lookup on the home ring (built with the
+-- instance, once per runtime version that changes a home weight, never in a request).
 local ring = require "kvgate.balancer.ring"
 local peers = require "kvgate.balancer.peers"
 
@@ -87,6 +87,8 @@ function _M.new(pool, prt, prev)
     b.home_is_ring = sig == b.home_sig
     if b.home_is_ring then
         b.home_ring = r
+    else
+        peers.home_ring(b) -- here (init, the sync timer), not in a request; kept when unchanged
     end
     return b
 end

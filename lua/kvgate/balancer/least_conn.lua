@@ -22,6 +22,7 @@ function _M.new(pool, prt, prev)
         return nil, err
     end
     b.tied = {}
+    peers.prepare_home(b, prev)
     return b
 end
 

@@ -20,8 +20,11 @@
 -- runtime's home_weight: the serving weight, which for a node not taking traffic is its
 -- target weight), the same ketama construction as chash's routing ring. So a drain shows as
 -- keys away from home and moves no other node's homes, whatever the balancer. Built once
--- per instance, lazily at the first keyed request (a pool whose requests carry no key never
--- builds it), and kept across instances while no home weight changes.
+-- per instance and kept across instances while no home weight changes: chash builds it with
+-- the instance (in init or the sync timer, never in a request; in the steady state it is the
+-- routing ring itself); round_robin/least_conn lazily at the pool's first keyed request (a
+-- pool whose requests carry no key never builds it), then with each new instance
+-- (prepare_home) once the previous one had it.
 --
 -- Failures: balancer_by_lua has no max_fails, so a try that failed (error, timeout, 502,
 -- 503: get_last_failure() = "failed") marks its node in the shared dict kvgate_state for
@@ -202,6 +205,14 @@ function _M.home_ring(b)
         b.home_ring = r
     end
     return r
+end
+
+--- prepare_home(b, prev): a new instance builds its home ring now (not in a request) when
+-- the instance it replaces had one (the pool's requests carry keys) and it could not keep it
+function _M.prepare_home(b, prev)
+    if b.home_ring == nil and prev and prev.home_ring then
+        _M.home_ring(b)
+    end
 end
 
 --- home(b, point) -> the node of b (a table of b.nodes) that is the key's home: the owner of

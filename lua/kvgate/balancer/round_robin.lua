@@ -14,7 +14,11 @@ _M.NAME = "round_robin"
 
 --- new(pool, prt, prev) -> balancer | nil, err (see kvgate.balancer.peers)
 function _M.new(pool, prt, prev)
-    return peers.base(pool, prt, prev)
+    local b, err = peers.base(pool, prt, prev)
+    if b then
+        peers.prepare_home(b, prev)
+    end
+    return b, err
 end
 
 --- start(b, st, kctx): the route key's point (peers.start), for the key's home
