@@ -74,3 +74,16 @@ def test_nginx_own_refusals_are_openai_json(gw: Gateway, raw: bytes, status: int
     if code == "not_found":
         assert err["message"].startswith("Unknown path /kvgate/errors/") and "?" not in err["message"]
     assert gw.sims[0].completions() == []
+
+
+def test_metrics_and_health_requests_leave_no_warning_in_the_error_log(gw: Gateway) -> None:
+    # the log phase runs for every location and reads $kvgate_ctx, which only the completions
+    # location sets: a scrape every few seconds must not write a warning line each time
+    import requests
+
+    for path in ("/metrics", "/kvgate/health", "/v1/models", "/nowhere"):
+        requests.get(gw.url + path, timeout=5)
+    internal = gw.policy.gateway.internal_listen
+    requests.get(f"http://{internal}/metrics", timeout=5)
+    log = (gw.nginx.prefix / "logs" / "error.log").read_text()
+    assert "uninitialized" not in log, log[-2000:]
