@@ -281,7 +281,9 @@ class Fleet:
         port = _free_port()
         policy = parse_policy({
             "version": 1,
-            "gateway": {"listen": f"127.0.0.1:{port}", "worker_processes": 2, "max_body_bytes": 1048576},
+            # a free internal listener too: the default 127.0.0.1:9080 may be a running stack's
+            "gateway": {"listen": f"127.0.0.1:{port}", "worker_processes": 2, "max_body_bytes": 1048576,
+                        "internal_listen": f"127.0.0.1:{_free_port()}"},
             "redis": {"url": redis_url, "managed": False},
             "cache": {"enabled": True},
             "pools": [{"name": "bench", "models": [MODEL], "balancer": "chash",
