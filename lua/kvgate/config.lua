@@ -9,7 +9,11 @@
 -- internal listener (kvgate.config_api) without a reload (ingress-nginx's configuration.lua).
 -- It lives in lua_shared_dict kvgate_config:
 --   version  number: +1 per accepted push and per (re)load
---   doc      "<version> <digest> <body>": the runtime in force (one key: read atomically)
+--   doc:<N>  "<version> <digest> <body>": the runtime of version N, the one in force (one key:
+--            read atomically). A new version's doc is written beside the old one with
+--            safe_set (never evicting: a set() that finds no room first drops the old value,
+--            then evicts other keys), so a document the dict cannot hold is refused and the
+--            runtime in force, its version and the load count stay.
 --   loads    number: init_by_lua runs (starts and reloads), the proof that a push reloaded nothing
 -- init() (master) seeds it from <prefix>/conf/runtime.json (written by the control plane before
 -- every start and reload) or, without that file, from kvgate.json's weights and balancers, so
@@ -43,6 +47,9 @@ _M.BALANCERS = { chash = true, round_robin = true, least_conn = true }
 -- capacity 4 is 4000; a chash node has 160 points per unit, so this bounds a ring's memory
 _M.MAX_WEIGHT = 10000
 _M.MAX_NAMESPACE = 2 ^ 53
+-- the longest node state (the control plane's names: active, draining ...): a free string of
+-- megabytes would fill the kvgate_config dict
+_M.MAX_STATE_BYTES = 64
 
 -- the families this module and kvgate.config_api write (rendered by kvgate.metrics)
 metrics.FAMILIES.kvgate_config_version = { "gauge",
@@ -241,8 +248,9 @@ function _M.check_runtime(doc, cfg)
                 return nil, nat .. ".home_weight must be an integer from 1 to " .. _M.MAX_WEIGHT,
                     nat .. ".home_weight"
             end
-            if type(n.state) ~= "string" or n.state == "" then
-                return nil, nat .. ".state must be a non-empty string", nat .. ".state"
+            if type(n.state) ~= "string" or n.state == "" or #n.state > _M.MAX_STATE_BYTES then
+                return nil, nat .. ".state must be a non-empty string of at most " .. _M.MAX_STATE_BYTES
+                    .. " bytes", nat .. ".state"
             end
         end
     end
@@ -305,6 +313,11 @@ local function gauges(d, version, loads)
     end
 end
 
+--- doc_key(version) -> the dict key of that version's doc
+function _M.doc_key(version)
+    return "doc:" .. version
+end
+
 --- store(body) -> version, digest | nil, err: body (JSON text, already checked) becomes the
 -- runtime in force with version + 1. The caller holds the write lock (lock()/unlock()) or is
 -- the master in init.
@@ -317,13 +330,23 @@ function _M.store(body)
     if not digest then
         return nil, herr
     end
-    local version = (tonumber(d:get("version")) or 0) + 1
-    -- doc first, then version: a reader that sees the new version reads the new doc
-    local ok, err = d:set("doc", version .. " " .. digest .. " " .. body)
+    local prev = tonumber(d:get("version")) or 0
+    local version = prev + 1
+    -- the new doc beside the old one, never evicting; then the version; then the old doc goes
+    -- (a reader that sees the new version reads the new doc; one that read the old version
+    -- and finds its doc gone tries again at its next sync)
+    local ok, err = d:safe_set(_M.doc_key(version), version .. " " .. digest .. " " .. body)
     if not ok then
-        return nil, "cannot store the runtime: " .. tostring(err)
+        return nil, "cannot store the runtime (" .. #body .. " bytes): " .. tostring(err)
     end
-    d:set("version", version)
+    ok, err = d:safe_set("version", version)
+    if not ok then
+        d:delete(_M.doc_key(version))
+        return nil, "cannot store the runtime's version: " .. tostring(err)
+    end
+    if prev > 0 then
+        d:delete(_M.doc_key(prev))
+    end
     gauges(d, version, nil)
     return version, digest
 end
@@ -336,7 +359,7 @@ function _M.lock()
         return nil, "no lua_shared_dict " .. _M.DICT
     end
     for _ = 1, 2000 do
-        if d:add("lock", true, 5) then
+        if d:safe_add("lock", true, 5) then
             return true
         end
         ngx.sleep(0.001)
@@ -357,7 +380,7 @@ function _M.stored()
     if not d then
         return nil
     end
-    local v, digest, body = _M.parse_doc(d:get("doc"))
+    local v, digest, body = _M.parse_doc(d:get(_M.doc_key(tonumber(d:get("version")) or 0)))
     if not v then
         return nil
     end
@@ -397,7 +420,7 @@ function _M.sync()
     if not v or (rt and v == rt.version) then
         return
     end
-    local version, digest, body = _M.parse_doc(d:get("doc"))
+    local version, digest, body = _M.parse_doc(d:get(_M.doc_key(v)))
     if not version or (rt and version == rt.version) then
         return
     end
@@ -444,6 +467,8 @@ function _M.init()
     if not ok then
         return nil, source .. ": " .. msg .. (param and " (" .. param .. ")" or "")
     end
+    -- the single doc key of a kvgate before doc:<N> (a reload onto this code keeps the dict)
+    d:delete("doc")
     local version, digest = _M.store(body)
     if not version then
         return nil, digest

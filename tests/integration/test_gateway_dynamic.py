@@ -410,3 +410,36 @@ def test_pushes_every_100ms_under_streams_fail_and_truncate_nothing(start_mocks,
     _every_worker_at(gw, pushed[-1])
     _wait(lambda: gw.metric_sum("kvgate_upstream_inflight") == 0, 5, "nothing in flight")
     assert gw.metric_sum("kvgate_failovers_total") == 0
+
+
+def test_a_document_larger_than_the_dict_holds_is_refused_and_the_runtime_in_force_stays(
+        start_mocks, start_gateway) -> None:
+    """Review of issue 10: a node state is a free string, so a document near the body limit
+    (4 MiB) passed check_runtime, and storing it in the 4m kvgate_config dict evicted the runtime
+    in force, its version and the load count (shared-dict set() evicts to make room, then fails):
+    GET answered 503 and the reload proof was gone. A state is a short name now, and the store
+    never evicts (safe_set): the document is refused and the runtime in force stays."""
+    mocks = start_mocks(2)
+    gw = start_gateway(mocks, None, cache={"enabled": False})
+    before = _get(gw)
+    doc = _doc(mocks)
+    doc["pools"][POOL]["nodes"]["n1"]["state"] = "x" * (4 * 1024 * 1024 - 8192)
+    r = _post(gw, doc)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"] == f"pools.{POOL}.nodes.n1.state", r.text[:300]
+    after = _get(gw)
+    assert (after["version"], after["digest"], after["loads"], after["runtime"]) == (
+        before["version"], before["digest"], before["loads"], before["runtime"])
+    assert {_served(gw, f"big-{i}") for i in range(30)} == {"n1", "n2"}
+    # a valid document padded past what the dict holds: refused by the store, nothing evicted
+    body = json.dumps(_doc(mocks, {"n2": 0}))[:-1] + " " * (4 * 1024 * 1024 - 8192) + "}"
+    r = _post(gw, body)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "store_failed", r.text[:300]
+    after = _get(gw)
+    assert (after["version"], after["digest"], after["loads"]) == (before["version"], before["digest"],
+                                                                   before["loads"])
+    # and the next push is a new version every worker takes (it once reused the lost version 1)
+    r = _post(gw, _doc(mocks, {"n2": 0}))
+    assert r.status_code == 200 and r.json()["version"] == before["version"] + 1, r.text
+    _every_worker_at(gw, before["version"] + 1)
+    assert {_served(gw, f"big-after-{i}") for i in range(20)} == {"n1"}

@@ -73,6 +73,7 @@ H.test("a runtime naming every pool and node of kvgate.json passes", function()
     local d = doc()
     d.pools.p1.nodes.n2.home_weight = 100
     d.pools.p1.nodes.n1.home_weight = 1
+    d.pools.p1.nodes.n1.state = string.rep("s", config.MAX_STATE_BYTES)
     H.eq(config.check_runtime(d, static()), true)
 end)
 
@@ -94,6 +95,9 @@ H.test("a bad runtime is refused at the path of its first bad field", function()
         { function(d) d.pools.p1.nodes.n2.weight = config.MAX_WEIGHT + 1 end, "pools.p1.nodes.n2.weight" },
         { function(d) d.pools.p1.nodes.n2.weight = nil end, "pools.p1.nodes.n2.weight" },
         { function(d) d.pools.p1.nodes.n2.state = "" end, "pools.p1.nodes.n2.state" },
+        -- a free string of megabytes filled the kvgate_config dict (review of issue 10)
+        { function(d) d.pools.p1.nodes.n2.state = string.rep("x", config.MAX_STATE_BYTES + 1) end,
+          "pools.p1.nodes.n2.state" },
         { function(d) d.pools.p1.nodes.n2.port = 1 end, "pools.p1.nodes.n2.port" },
         { function(d) d.pools.p1.nodes.n2.home_weight = 0 end, "pools.p1.nodes.n2.home_weight" },
         { function(d) d.pools.p1.nodes.n2.home_weight = 2.5 end, "pools.p1.nodes.n2.home_weight" },
