@@ -299,10 +299,15 @@ class Nginx:
             os.replace(tmp, target)
 
     def _rollback(self, installed: dict[str, str | None], old_runtime: str | None = None) -> None:
-        """Put the files that were running back (the master kept running them), the runtime too."""
+        """Put the files that were running back (the master kept running them), the runtime too:
+        without a previous ``runtime.json`` (a gateway installed before it existed) the refused
+        one is removed, so the next load seeds from the running kvgate.json, never from a runtime
+        naming pools it does not have (init_by_lua would refuse to start)."""
         back = {rel: old for rel, old in installed.items() if old is not None}
         if old_runtime is not None:
             back[RUNTIME] = old_runtime
+        else:
+            (self.prefix / RUNTIME).unlink(missing_ok=True)
         self._install(back)
         self.digest = None
         res = self._run("-s", "reload")
