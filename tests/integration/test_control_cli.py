@@ -176,3 +176,34 @@ def test_no_control_plane_is_exit_1(cf: Fleet, tmp_path: Path) -> None:
     assert res.returncode == 1, res.stdout + res.stderr
     assert "not reachable" in res.stderr and "kvgate status" in res.stderr
     assert time.monotonic() - start < 60
+
+
+def test_invalidate_retires_the_cache_through_the_api_without_a_reload(cf: Fleet) -> None:
+    import requests
+
+    before = cf.api("GET", "/api/v1/policy").json()
+    from ctlfixtures import MODEL
+
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0,
+            "messages": [{"role": "user", "content": "cache me for the CLI"}]}
+
+    def cache_state() -> str:
+        return requests.post(cf.gateway + "/v1/chat/completions", json=body, timeout=30).headers["X-Kvgate-Cache"]
+
+    cache_state()
+    deadline = time.monotonic() + 20
+    while cache_state() != "HIT":
+        assert time.monotonic() < deadline, "no cache HIT"
+        time.sleep(0.2)
+    res = cf.kvgate("invalidate")
+    assert res.returncode == 0, res.stderr
+    m = re.search(r"namespace v(\d+) -> v(\d+) \(policy version (\d+), nginx (\w+)\)", res.stdout)
+    assert m, res.stdout
+    assert int(m[2]) == int(m[1]) + 1 and int(m[3]) == before["version"] + 1
+    assert m[4] == "pushed", res.stdout  # the namespace is runtime: no reload
+    assert cache_state() == "MISS"
+    # without a token the API refuses it
+    r = requests.post(cf.control + "/api/v1/cache/invalidate", timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"]
+    # the module's other tests diff against the fleet's own text
+    assert cf.api("PUT", "/api/v1/policy", data=before["yaml"]).status_code == 200

@@ -174,6 +174,22 @@ def undrain_command(ctx, node: str, control_url, token) -> None:
     click.echo(f"{node}: {n['state']} (then ramping, then active; follow with `kvgate nodes`)")
 
 
+@click.command("invalidate")
+@connection
+@click.pass_context
+def invalidate_command(ctx, control_url, token) -> None:
+    """Invalidate the whole response cache (a new cache namespace version, pushed to the gateway
+    without a reload; old entries are never read again and expire by their TTL)."""
+    from ..control.client import ControlError
+
+    try:
+        out = _client(ctx, control_url, token).invalidate_cache()
+    except ControlError as exc:
+        _fail(exc)
+    click.echo(f"response cache invalidated: namespace v{out['old']} -> v{out['new']} "
+               f"(policy version {out['version']}, nginx {out['result']})")
+
+
 @click.command("warm")
 @click.argument("node")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait for the warm-up to finish.")
@@ -301,4 +317,5 @@ def token_command(ctx) -> None:
         sys.exit(1)
 
 
-COMMANDS = [nodes_command, drain_command, undrain_command, warm_command, apply_command, events_command, token_command]
+COMMANDS = [nodes_command, drain_command, undrain_command, warm_command, apply_command, invalidate_command,
+            events_command, token_command]

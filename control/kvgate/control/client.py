@@ -106,6 +106,10 @@ class ControlClient:
     def policy(self) -> dict[str, Any]:
         return self._call("GET", "/api/v1/policy")
 
+    def invalidate_cache(self, source: str = "kvgate invalidate") -> dict[str, Any]:
+        """``POST /api/v1/cache/invalidate``: ``{"old", "new", "version", "result"}``."""
+        return self._call("POST", "/api/v1/cache/invalidate", timeout=120, headers={"X-Kvgate-Source": source})
+
     def events(self, limit: int = 50, node: str | None = None, kind: str | None = None) -> list[dict[str, Any]]:
         params = {"limit": limit, **({"node": node} if node else {}), **({"kind": kind} if kind else {})}
         return self._call("GET", "/api/v1/events", params=params)["events"]

@@ -171,6 +171,16 @@ def rollback(version: int):
     return jsonify(services().rollback(version, by="API", force=_force()))
 
 
+# ------------------------------------------------------------------ cache
+@bp.post("/cache/invalidate")
+def cache_invalidate():
+    """Retire every cached response: a new policy version with ``cache.namespace_version`` one
+    above the version in force, pushed to the gateway (no reload). ``{"old", "new", "version",
+    "result"}``; 503 ``redis_unavailable`` when the store cannot record it."""
+    source = request.headers.get("X-Kvgate-Source", "API")[:100]
+    return jsonify(services().invalidate_cache(source))
+
+
 # ----------------------------------------------------------------- events
 @bp.get("/events")
 def events():
