@@ -90,3 +90,30 @@ def test_stored_records_keep_their_field_names(plane: ControlPlane) -> None:
             "resume_state", "has_agent", "last_weight_change"} <= set(rec)
     view = plane.node_view("n1")
     assert view["state"] == "active" and view["serving"] is True and "engine_start_time_at_eject" not in view
+
+
+def test_views_do_not_wait_for_a_ticks_gateway_apply(plane: ControlPlane) -> None:
+    """Review of issue 10 (item 4: views read snapshots, never the plane's lock): a tick holds the
+    records' lock across its gateway apply (a reload transaction waits up to 10 s for the new
+    config and 10 s more for its runtime; a push sleeps PUSH_SETTLE_S), and the views read the
+    snapshot under that lock, so every admin page and API read stalled behind it."""
+    entered, release = threading.Event(), threading.Event()
+    real = plane.push.nginx.apply
+
+    def slow_apply(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    plane.push.nginx.apply = slow_apply  # type: ignore[method-assign]
+    plane.push.applied = None  # the next tick sends the runtime again
+    try:
+        assert entered.wait(10), "no tick applied the runtime"
+        started = time.monotonic()
+        nodes = plane.nodes_view()
+        pools = plane.pools_view()
+        assert time.monotonic() - started < 1.0, "a view waited for the tick's gateway apply"
+        assert [n["id"] for n in nodes] == ["n1", "n2"] and pools[0]["name"] == "default"
+    finally:
+        release.set()
+        plane.push.nginx.apply = real  # type: ignore[method-assign]

@@ -149,11 +149,12 @@ class ControlPlane:
 
     @property
     def snapshot(self) -> Snapshot:
-        """The state after the last complete change. Taken under the records' lock, but only to
-        read one reference: a change in progress (a tick with its gateway apply) finishes first,
-        so a view is never ahead of or behind the gateway; no I/O happens while it is held."""
-        with self._state:
-            return self._snap
+        """The state after the last complete change: one reference, published when a change
+        leaves :meth:`changing`, read without a lock (issue 10 item 4: views never take the
+        plane's locks). A change in progress (a tick with its gateway apply: a reload transaction
+        takes seconds, a push PUSH_SETTLE_S) is not seen until it is complete, so a view is never
+        ahead of the gateway, and never waits for it."""
+        return self._snap
 
     def event(self, kind: EventKind, message: str, node: str | None = None, pool: str | None = None,
               **data: Any) -> None:
