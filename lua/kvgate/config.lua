@@ -62,6 +62,7 @@ metrics.FAMILIES.kvgate_config_pushes_total = { "counter",
 local current -- the static config (kvgate.json)
 local rt -- this worker's runtime: {version, digest, pools = {[name] = {balancer, nodes}}, cache}
 local listeners = {}
+local refused -- the dict version this worker refused last (logged once, not at every sync)
 
 --- path() -> <prefix>/conf/kvgate.json
 -- Note: `nginx -t` does not run init_by_lua, so a bad file shows up at start or
@@ -421,13 +422,16 @@ function _M.sync()
         return
     end
     local version, digest, body = _M.parse_doc(d:get(_M.doc_key(v)))
-    if not version or (rt and version == rt.version) then
+    if not version or (rt and version == rt.version) or version == refused then
         return
     end
     local doc = cjson.decode(body)
     local ok, msg, param = _M.check_runtime(doc, current)
     if not ok then
-        -- the writer checked it; a dict written by another kvgate version would land here
+        -- the writer checked it against its kvgate.json: a reload that failed after its
+        -- init_by_lua stored the new config's runtime (until the control plane rolls it back),
+        -- or a dict written by another kvgate version. Once per version, not per tick.
+        refused = version
         ngx.log(ngx.ERR, "kvgate config: runtime version ", version, " refused: ", msg, " (", param, ")")
         return
     end
