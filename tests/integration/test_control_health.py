@@ -191,7 +191,12 @@ def test_overload_degrades_to_least_conn_and_back_and_weights_follow_load(contro
         assert time.monotonic() < deadline, fleet.api("GET", "/api/v1/pools").json()
         time.sleep(0.1)
     assert "least_conn;" not in conf.read_text()  # every balancer runs in Lua
-    pools = fleet.api("GET", "/api/v1/pools").json()["pools"]
+    # the API's snapshot is published when the tick's change is complete (the push and its
+    # settle time): it may lag the gateway by that, never lead it
+    deadline = time.monotonic() + 5
+    while not (pools := fleet.api("GET", "/api/v1/pools").json()["pools"])[0]["degraded"]:
+        assert time.monotonic() < deadline, pools
+        time.sleep(0.05)
     assert pools[0]["degraded"] and pools[0]["balancer_in_force"] == "least_conn"
     runner.join(timeout=120)
     assert len(results) == 60 and not [r for r in results if r["error"]]
