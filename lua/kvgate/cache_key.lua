@@ -16,6 +16,7 @@
 -- default value (the engine's default may change). Keys are sorted recursively,
 -- so reordering JSON keys gives the same key.
 local hash = require "kvgate.hash"
+local json = require "kvgate.json"
 local keys = require "kvgate.keys"
 local prompt = require "kvgate.prompt"
 local buffer = require "string.buffer"
@@ -101,21 +102,7 @@ function _M.credential(headers, names, args)
     return hash.sha256_hex(input)
 end
 
-local function is_array(t)
-    local n = 0
-    for k in pairs(t) do
-        if type(k) ~= "number" then
-            return false
-        end
-        n = n + 1
-    end
-    for i = 1, n do
-        if t[i] == nil then
-            return false
-        end
-    end
-    return n > 0
-end
+local is_array = json.is_array
 
 local function number(v)
     if v ~= v or v == huge or v == -huge then

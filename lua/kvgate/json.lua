@@ -115,6 +115,10 @@ local EMPTY_ARRAY = "\0kvgate-empty-array\0"
 local EMPTY_JSON = encode_string(EMPTY_ARRAY)
 _M.EMPTY_ARRAY = EMPTY_ARRAY
 
+--- is_array(t) -> true when t is a non-empty sequence 1..n with no other keys (how canonical()
+-- and the cache key's digest form tell a JSON array from an object)
+_M.is_array = is_array
+
 local function mark_empty_arrays(text)
     if not find(text, "%[%s*%]") then
         return text
