@@ -25,6 +25,7 @@ local cjson = require "cjson.safe"
 local json = require "kvgate.json"
 local hash = require "kvgate.hash"
 local metrics = require "kvgate.metrics"
+local runtime_doc = require "kvgate.runtime_doc"
 
 local ngx = ngx
 local io_open = io.open
@@ -33,23 +34,21 @@ local pairs = pairs
 local ipairs = ipairs
 local tostring = tostring
 local tonumber = tonumber
-local floor = math.floor
-local sort = table.sort
 local match = string.match
 
 local _M = {}
 
 _M.DICT = "kvgate_config"
 _M.SYNC_S = 0.2
--- the balancer names a runtime may give a pool (kvgate.balancer.IMPLEMENTATIONS)
-_M.BALANCERS = { chash = true, round_robin = true, least_conn = true }
--- the largest nginx-scale weight a push may carry: policy base 10 × WEIGHT_SCALE 100 ×
--- capacity 4 is 4000; a chash node has 160 points per unit, so this bounds a ring's memory
-_M.MAX_WEIGHT = 10000
-_M.MAX_NAMESPACE = 2 ^ 53
--- the longest node state (the control plane's names: active, draining ...): a free string of
--- megabytes would fill the kvgate_config dict
-_M.MAX_STATE_BYTES = 64
+-- the runtime document's rules (PURE, kvgate.runtime_doc), re-exported for config_api and tests
+_M.BALANCERS = runtime_doc.BALANCERS
+_M.MAX_WEIGHT = runtime_doc.MAX_WEIGHT
+_M.MAX_NAMESPACE = runtime_doc.MAX_NAMESPACE
+_M.MAX_STATE_BYTES = runtime_doc.MAX_STATE_BYTES
+--- check_runtime(doc, cfg) -> true | nil, msg, param (kvgate.runtime_doc.check)
+_M.check_runtime = runtime_doc.check
+--- base_runtime(cfg) -> the runtime kvgate.json implies (kvgate.runtime_doc.base)
+_M.base_runtime = runtime_doc.base
 
 -- the families this module and kvgate.config_api write (rendered by kvgate.metrics)
 metrics.FAMILIES.kvgate_config_version = { "gauge",
@@ -140,151 +139,6 @@ function _M.runtime()
     return rt
 end
 
--- ---------------------------------------------------------------- validation (pure)
-local function sorted_keys(t)
-    local keys = {}
-    for k in pairs(t) do
-        keys[#keys + 1] = tostring(k)
-    end
-    sort(keys)
-    return keys
-end
-
--- is_object(v): a decoded JSON object (a non-empty array has integer keys; `[]` and `{}`
--- decode alike and pass as an empty object)
-local function is_object(v)
-    return type(v) == "table" and #v == 0
-end
-
-local function is_int(v, max)
-    return type(v) == "number" and v >= 0 and v <= max and floor(v) == v
-end
-
--- only(t, allowed, at) -> nil | message, param: t has no key outside `allowed`
-local function only(t, allowed, at)
-    for _, k in ipairs(sorted_keys(t)) do
-        if not allowed[k] then
-            return "unknown field " .. k, at .. k
-        end
-    end
-    return nil
-end
-
---- check_runtime(doc, cfg) -> true | nil, message, param
--- doc: a decoded POST body (or runtime.json); cfg: the static config. Every pool and node of
--- cfg must be present, and nothing else: {pools = {[pool] = {balancer = <known name>,
--- nodes = {[id] = {weight = <integer 0..MAX_WEIGHT>, state = <non-empty string>,
--- home_weight = <integer 1..MAX_WEIGHT, optional: the weight on the home ring, see
--- kvgate.balancer.peers.nodes>}}}},
--- cache = {namespace_version = <integer >= 0>}}. param: the path of the first bad field
--- (keys in sorted order), e.g. "pools.p1.nodes.n2.weight"; a pool added or removed is a
--- structural change (a reload), never a push.
-function _M.check_runtime(doc, cfg)
-    if not is_object(doc) then
-        return nil, "the runtime must be a JSON object", nil
-    end
-    local msg, param = only(doc, { pools = true, cache = true }, "")
-    if msg then
-        return nil, msg, param
-    end
-    local pools = doc.pools
-    if not is_object(pools) then
-        return nil, "pools must be an object of every pool", "pools"
-    end
-    for _, name in ipairs(sorted_keys(pools)) do
-        if not cfg.pools[name] then
-            return nil, "no pool " .. name .. " in the gateway's config (adding a pool needs a reload)",
-                "pools." .. name
-        end
-    end
-    for _, name in ipairs(sorted_keys(cfg.pools)) do
-        local at = "pools." .. name
-        local p = pools[name]
-        if p == nil then
-            return nil, "pool " .. name .. " is missing (removing a pool needs a reload)", at
-        end
-        if not is_object(p) then
-            return nil, at .. " must be an object", at
-        end
-        msg, param = only(p, { balancer = true, nodes = true }, at .. ".")
-        if msg then
-            return nil, msg, param
-        end
-        if type(p.balancer) ~= "string" or not _M.BALANCERS[p.balancer] then
-            return nil, at .. ".balancer must be one of chash, least_conn, round_robin", at .. ".balancer"
-        end
-        local nodes = p.nodes
-        if not is_object(nodes) then
-            return nil, at .. ".nodes must be an object of every node of the pool", at .. ".nodes"
-        end
-        local ids = {}
-        for _, n in ipairs(cfg.pools[name].nodes or {}) do
-            ids[tostring(n.id)] = true
-        end
-        for _, id in ipairs(sorted_keys(nodes)) do
-            if not ids[id] then
-                return nil, "no node " .. id .. " in pool " .. name .. " (adding a node needs a reload)",
-                    at .. ".nodes." .. id
-            end
-        end
-        for _, id in ipairs(sorted_keys(ids)) do
-            local nat = at .. ".nodes." .. id
-            local n = nodes[id]
-            if n == nil then
-                return nil, "node " .. id .. " is missing (removing a node needs a reload)", nat
-            end
-            if not is_object(n) then
-                return nil, nat .. " must be an object", nat
-            end
-            msg, param = only(n, { weight = true, state = true, home_weight = true }, nat .. ".")
-            if msg then
-                return nil, msg, param
-            end
-            if not is_int(n.weight, _M.MAX_WEIGHT) then
-                return nil, nat .. ".weight must be an integer from 0 to " .. _M.MAX_WEIGHT, nat .. ".weight"
-            end
-            -- optional (a control plane older than the home ring sends none: the balancer
-            -- then takes the weight, or the node's base weight when the weight is 0)
-            if n.home_weight ~= nil and (not is_int(n.home_weight, _M.MAX_WEIGHT) or n.home_weight < 1) then
-                return nil, nat .. ".home_weight must be an integer from 1 to " .. _M.MAX_WEIGHT,
-                    nat .. ".home_weight"
-            end
-            if type(n.state) ~= "string" or n.state == "" or #n.state > _M.MAX_STATE_BYTES then
-                return nil, nat .. ".state must be a non-empty string of at most " .. _M.MAX_STATE_BYTES
-                    .. " bytes", nat .. ".state"
-            end
-        end
-    end
-    local cache = doc.cache
-    if not is_object(cache) then
-        return nil, "cache must be an object with namespace_version", "cache"
-    end
-    msg, param = only(cache, { namespace_version = true }, "cache.")
-    if msg then
-        return nil, msg, param
-    end
-    if not is_int(cache.namespace_version, _M.MAX_NAMESPACE) then
-        return nil, "cache.namespace_version must be an integer >= 0", "cache.namespace_version"
-    end
-    return true
-end
-
---- base_runtime(cfg) -> runtime document from kvgate.json alone: each pool's balancer, each
--- node's weight (0 = not taking traffic) and state, the cache namespace version
-function _M.base_runtime(cfg)
-    local pools = {}
-    for name, pool in pairs(cfg.pools) do
-        local nodes = {}
-        for _, n in ipairs(pool.nodes or {}) do
-            local w = tonumber(n.base_weight or n.weight) or 0
-            nodes[tostring(n.id)] = { weight = w, state = n.state or (w > 0 and "active" or "down") }
-        end
-        pools[name] = { balancer = pool.base_balancer or pool.balancer, nodes = nodes }
-    end
-    return { pools = pools, cache = { namespace_version = tonumber(cfg.cache.namespace_version) or 0 } }
-end
-
--- ---------------------------------------------------------------- the shared dict
 local function dict()
     return ngx.shared[_M.DICT]
 end
