@@ -139,15 +139,19 @@ def wait_engines_idle(nodes: list[NodeConfig], timeout: float = 60.0) -> None:
 
 
 # ------------------------------------------------------------------- client
+_HEADERS = {"Content-Type": "application/json", "Cache-Control": "no-store"}
+
+
 async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, sem: asyncio.Semaphore,
-                       timeout: aiohttp.ClientTimeout, t0: float) -> RequestResult:
+                       timeout: aiohttp.ClientTimeout, t0: float,
+                       headers: dict[str, str] | None = None) -> RequestResult:
     """Send one streamed request; ``t0`` (``time.perf_counter()``) is when it was ready to
-    send, so a wait for a concurrency slot counts in its TTFT, as it would for a real client."""
+    send, so a wait for a concurrency slot counts in its TTFT, as it would for a real client.
+    ``headers`` are sent besides the JSON content type and ``Cache-Control: no-store``."""
     async with sem:
         try:
-            async with session.post(url, data=body, timeout=timeout, headers={
-                "Content-Type": "application/json", "Cache-Control": "no-store",
-            }) as resp:
+            async with session.post(url, data=body, timeout=timeout,
+                                    headers={**_HEADERS, **headers} if headers else _HEADERS) as resp:
                 if resp.status != 200:
                     text = (await resp.text())[:200]
                     return RequestResult(False, resp.status, error=f"HTTP {resp.status}: {text}")
@@ -178,12 +182,15 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, se
 
 async def send_trace(gateway: str, model: str, trace: list[TraceRequest], speedup: float, concurrency: int,
                      max_tokens_cap: int | None = None, on_done: Callable[[RequestResult], None] | None = None,
-                     request_timeout_s: float = 600.0) -> list[RequestResult]:
+                     request_timeout_s: float = 600.0,
+                     headers: Callable[[TraceRequest], dict[str, str]] | None = None) -> list[RequestResult]:
     """Send every trace request to ``{gateway}/v1/chat/completions`` at ``timestamp / speedup``.
 
+    ``gateway`` is any OpenAI-compatible base URL (kvgate, a peer router, an engine).
     Streaming with ``stream_options.include_usage``; ``max_tokens`` = the trace's
     output length (capped by ``max_tokens_cap``). At most ``concurrency`` requests are
     in flight; later arrivals wait (their TTFT includes that wait, as a real client's would).
+    ``headers(request)``, when given, adds headers per request (e.g. a session id).
     """
     url = gateway.rstrip("/") + "/v1/chat/completions"
     sem = asyncio.Semaphore(concurrency)
@@ -204,7 +211,8 @@ async def send_trace(gateway: str, model: str, trace: list[TraceRequest], speedu
                 "model": model, "messages": render_messages(req), "max_tokens": max_tokens,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             }).encode()
-            result = await _one_request(session, url, body, sem, timeout, time.perf_counter())
+            result = await _one_request(session, url, body, sem, timeout, time.perf_counter(),
+                                        headers(req) if headers else None)
             if on_done:
                 on_done(result)
             return result
