@@ -6,6 +6,9 @@ chat body (``wrk -t2 -c32``, a wrk Lua script POSTing the body):
 
 * ``bare``: a bare nginx ``proxy_pass`` (2 workers, the same in-memory body buffering as the
   gateway, upstream keepalive): the floor;
+* ``floor: lua read`` / ``floor: lua decode+sha256``: that nginx with an ``access_by_lua`` that
+  only reads the body into Lua, or reads it, ``cjson.safe.decode``s it and takes one sha256 of
+  it (PLATFORM.md §13): what any data path that parses the JSON in Lua pays at least;
 * ``miss``: kvgate, every request a cache **miss** with the whole miss path: the body is
   cacheable (``temperature: 0``) and its ``seed`` changes with every request (one counter in
   the wrk script), so each request computes its cache key, misses in Redis, is proxied, has
@@ -227,32 +230,63 @@ class Fleet:
         for p in self.upstream_ports:
             _wait_http(f"http://127.0.0.1:{p}/health", 10, "the static upstream")
 
-    def start_bare(self) -> str:
-        """A bare nginx proxy_pass (2 workers), buffering bodies in memory as kvgate does."""
-        port = _free_port()
+    def start_bare(self) -> dict[str, str]:
+        """A bare nginx proxy_pass (2 workers), buffering bodies in memory as kvgate does, and
+        on two more ports of the same nginx the floors of any Lua data path that reads JSON
+        (PLATFORM.md §13): ``lua read`` (the body read into a Lua string, then proxied) and
+        ``lua decode+sha256`` (that, plus one ``cjson.safe.decode`` and one sha256 of the
+        body). -> {url key: url} for ``bare``, ``floor read``, ``floor decode``."""
+        ports = {"bare": _free_port(), "floor read": _free_port(), "floor decode": _free_port()}
         servers = "\n".join(f"        server 127.0.0.1:{p};" for p in self.upstream_ports)
-        self._nginx("bare", bare_nginx_conf(default_lua_dir(), workers=2, connections=4096, http_body=f"""
-    upstream engines {{
-{servers}
-        keepalive 64;
-    }}
-    server {{
-        listen 127.0.0.1:{port};
-        client_max_body_size 1m;
-        client_body_buffer_size 1m;
-        client_body_in_single_buffer on;
-        location / {{
+        proxy = """
             proxy_pass http://engines;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
-            proxy_buffering off;
+            proxy_buffering off;"""
+        lua = {
+            "bare": "",
+            "floor read": """
+            access_by_lua_block {
+                ngx.req.read_body()
+                local body = ngx.req.get_body_data()
+            }""",
+            "floor decode": """
+            access_by_lua_block {
+                ngx.req.read_body()
+                local body = ngx.req.get_body_data()
+                if body then
+                    if not cjson.decode(body) then return ngx.exit(400) end
+                    sha:reset()
+                    sha:update(body)
+                    sha:final()
+                end
+            }""",
+        }
+        blocks = "".join(f"""
+    server {{
+        listen 127.0.0.1:{ports[key]};
+        client_max_body_size 1m;
+        client_body_buffer_size 1m;
+        client_body_in_single_buffer on;
+        location / {{{lua[key]}{proxy}
         }}
-    }}"""))
-        url = f"http://127.0.0.1:{port}"
-        _wait_http(url + "/health", 10, "bare nginx")
+    }}""" for key in ports)
+        self._nginx("bare", bare_nginx_conf(default_lua_dir(), workers=2, connections=4096, http_body=f"""
+    init_by_lua_block {{
+        cjson = require("cjson.safe")
+        sha = require("nginx.sha256"):new()
+    }}
+    upstream engines {{
+{servers}
+        keepalive 64;
+    }}{blocks}"""))
         prefix = self.base / "bare"
-        self.pids["bare"] = lambda: nginx_workers(prefix)
-        return url
+        urls = {}
+        for key, port in ports.items():
+            urls[key] = f"http://127.0.0.1:{port}"
+            _wait_http(urls[key] + "/health", 10, "bare nginx")
+            self.pids[key] = lambda: nginx_workers(prefix)
+        return urls
 
     def start_redis(self) -> str:
         port = _free_port()
@@ -364,7 +398,8 @@ def benchmark(seconds: float, rounds: int, connections: int, threads: int, peers
         try:
             fleet.start_upstream()
             redis_url = fleet.start_redis()
-            urls = {"bare": fleet.start_bare(), "kvgate": fleet.start_kvgate(redis_url, lua_dir)}
+            urls = fleet.start_bare()
+            urls["kvgate"] = fleet.start_kvgate(redis_url, lua_dir)
             peers = []
             if peers_venv:
                 for name in ("sglang-router", "vllm-router"):
@@ -397,7 +432,8 @@ def benchmark(seconds: float, rounds: int, connections: int, threads: int, peers
                 else:
                     raise RuntimeError("the hit path's entry was never stored")
             # (path label, url key, script kind)
-            paths = [("bare", "bare", "bypass"), ("kvgate miss", "kvgate", "miss"),
+            paths = [("bare", "bare", "bypass"), ("floor: lua read", "floor read", "bypass"),
+                     ("floor: lua decode+sha256", "floor decode", "bypass"), ("kvgate miss", "kvgate", "miss"),
                      ("kvgate bypass", "kvgate", "bypass"), ("kvgate hit", "kvgate", "hit")]
             paths += [(p, p, "bypass") for p in peers]
             if only:
@@ -424,7 +460,7 @@ def benchmark(seconds: float, rounds: int, connections: int, threads: int, peers
                         echo(f"  round {r + 1} {size:>4} {label:<14} {res.rps:9.0f} req/s  "
                              f"p50 {res.p50_ms:6.2f} ms  p99 {res.p99_ms:6.2f} ms  {res.cpu_us:6.1f} us CPU/req")
                     for label, key, kind in paths:
-                        if label == "kvgate bypass":
+                        if label == "kvgate bypass" or label.startswith("floor"):
                             continue
                         res = run_wrk(urls[key], scripts[(kind, size)], one_seconds, 1, 1)
                         report.one.setdefault((label, size), []).append(res)
