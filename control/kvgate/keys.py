@@ -19,11 +19,20 @@ PREFIX_TEXT_PREFIX = "kvgate:prefix:"
 """Warm-up prefix documents: ``kvgate:prefix:<pool>:<fp>`` (opt-in ``warmup.capture_prefix_text``)."""
 CONTROL_PREFIX = "kvgate:control:"
 """Everything the control plane stores (``control/store.py``); the gateway writes nothing here."""
+NODE_LOAD_PREFIX = "kvgate:load:"
+"""Engines' last reported load: a hash per pool ``kvgate:load:<pool>``, field = node id, value =
+:data:`NODE_LOAD_FIELDS` space-separated (``-`` = unknown). Written by the control plane at each
+agent report, read by the gateway's timer every second (``lua/kvgate/node_load.lua``)."""
+NODE_LOAD_FIELDS: tuple[str, ...] = ("received_at", "interval_s", "waiting", "running", "kv_use")
+"""``received_at``: unix s (the control plane's clock); ``interval_s``: the agents' report interval
+(a report older than 3 of them is unknown to the gateway); ``waiting``/``running``: the engine's
+queued / running requests; ``kv_use``: KV-cache use 0..1."""
 
 LOG_FIELDS: tuple[str, ...] = ("ts", "pool", "node", "status", "cache", "kind", "fp", "key", "ms", "point",
-                               "tries", "home")
+                               "tries", "home", "spill")
 """The request-log entry's fields in XADD order (see ``keys.lua`` for each one's meaning);
-``home`` (the key's home node, from the balancer) since issue 10: older entries lack it."""
+``home`` (the key's home node, from the balancer) since issue 10, ``spill`` (``bound`` | ``queue``
+| ``""``: why a bounded balancer sent the key past its home) since issue 11: older entries lack them."""
 
 METRICS: dict[str, str] = {
     "requests": "kvgate_requests_total",
@@ -37,6 +46,8 @@ METRICS: dict[str, str] = {
     "route_key_sentinel": "kvgate_route_key_sentinel_total",
     "bad_requests": "kvgate_bad_requests_total",
     "upstream_inflight": "kvgate_upstream_inflight",
+    "upstream_load": "kvgate_upstream_load_tokens",
+    "route_spill": "kvgate_route_spill_total",
     "stream_errors": "kvgate_stream_errors_total",
     "stream_cuts": "kvgate_stream_cuts_total",
     "request_log_written": "kvgate_request_log_written_total",
@@ -52,6 +63,8 @@ METRICS: dict[str, str] = {
 REQUESTS = METRICS["requests"]
 UPSTREAM_INFLIGHT = METRICS["upstream_inflight"]
 FAILOVERS = METRICS["failovers"]
+ROUTE_SPILL = METRICS["route_spill"]
+UPSTREAM_LOAD = METRICS["upstream_load"]
 
 
 def resp_key(version: int, scope: str, digest: str) -> str:
@@ -67,3 +80,17 @@ def hot_key(pool: str, minute: int) -> str:
 def prefix_text_key(pool: str, fp: str) -> str:
     """``kvgate:prefix:<pool>:<fp>``: the warm-up document of fingerprint ``fp``."""
     return f"{PREFIX_TEXT_PREFIX}{pool}:{fp}"
+
+
+def node_load_key(pool: str) -> str:
+    """``kvgate:load:<pool>``: the hash of the pool's engines' last reported load."""
+    return f"{NODE_LOAD_PREFIX}{pool}"
+
+
+def node_load_value(received_at: float, interval_s: float, waiting: float | None, running: float | None,
+                    kv_use: float | None) -> str:
+    """A node's field in :func:`node_load_key`: :data:`NODE_LOAD_FIELDS` space-separated,
+    ``-`` for a figure the report lacks (unknown, never 0)."""
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{float(v):.6g}"
+    return f"{received_at:.3f} {interval_s:.6g} {fmt(waiting)} {fmt(running)} {fmt(kv_use)}"

@@ -113,7 +113,8 @@ def runtime_document(policy: Policy, runtime: Runtime | None = None) -> dict[str
 
     Shape (every pool and node of the policy, no others)::
 
-        {"pools": {"<pool>": {"balancer": "chash" | "round_robin" | "least_conn",
+        {"pools": {"<pool>": {"balancer": "chash" | "round_robin" | "least_conn" | "chash_bounded",
+                              "bound_factor": float > 1, "saturated_queue": int >= 0 (absent: none),
                               "nodes": {"<node id>": {"weight": int >= 0, "state": str,
                                                       "home_weight": int >= 1}}}},
          "cache": {"namespace_version": int >= 1}}
@@ -129,11 +130,21 @@ def runtime_document(policy: Policy, runtime: Runtime | None = None) -> dict[str
         for n in pool.nodes:
             w = max(0, runtime.weight(n.id, n.weight))
             nodes[n.id] = {"weight": w, "state": runtime.state(n.id, w), "home_weight": runtime.home_weight(n.id, n.weight)}
-        pools[pool.name] = {"balancer": runtime.balancer(pool.name, pool.balancer), "nodes": nodes}
+        pools[pool.name] = {"balancer": runtime.balancer(pool.name, pool.balancer), "nodes": nodes,
+                            **_bound_fields(pool)}
     return {
         "pools": pools,
         "cache": {"namespace_version": max(policy.cache.namespace_version, runtime.namespace_version or 0)},
     }
+
+
+def _bound_fields(pool: Any) -> dict[str, Any]:
+    """The pool's chash_bounded fields as the runtime (and kvgate.json's defaults) carry them:
+    ``bound_factor``, and ``saturated_queue`` unless the policy has none (null)."""
+    out: dict[str, Any] = {"bound_factor": pool.bound_factor}
+    if pool.saturated_queue is not None:
+        out["saturated_queue"] = pool.saturated_queue
+    return out
 
 
 def runtime_json(doc: Mapping[str, Any]) -> str:
@@ -256,6 +267,7 @@ def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
             "name": pool.name,
             "upstream": f"pool_{pool.name}",
             "balancer": pool.balancer,  # default only: the runtime's is in force
+            **_bound_fields(pool),  # defaults only too
             "affinity": list(pool.affinity),
             "session_header": pool.session_header,
             "prefix_chars": pool.prefix_chars,
@@ -339,7 +351,8 @@ def lua_digest(lua_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-RUNTIME_DEFAULTS = ("pools.*.balancer", "pools.*.nodes[].weight", "cache.namespace_version")
+RUNTIME_DEFAULTS = ("pools.*.balancer", "pools.*.bound_factor", "pools.*.saturated_queue", "pools.*.nodes[].weight",
+                    "cache.namespace_version")
 """Fields of kvgate.json that are only the runtime's defaults: left out of :func:`static_digest`."""
 
 
@@ -350,6 +363,8 @@ def static_identity(data: Mapping[str, Any]) -> dict[str, Any]:
     for pool in (out.get("pools") or {}).values():
         if isinstance(pool, dict):
             pool.pop("balancer", None)
+            pool.pop("bound_factor", None)
+            pool.pop("saturated_queue", None)
             for node in pool.get("nodes") or []:
                 if isinstance(node, dict):
                     node.pop("weight", None)

@@ -5,6 +5,8 @@
 --   chash        the key's home on the ring of node ids, its next node on failover
 --   round_robin  nginx's smooth weighted round robin
 --   least_conn   fewest in flight per unit of weight (shared in-flight dict)
+--   chash_bounded  chash's ring with bounded loads: the key's first node under its bound of
+--                in-flight prefill work and not saturated (kvgate.balancer.chash_bounded)
 -- Instances are built from the static pool (kvgate.json: ids, addresses) and the runtime
 -- (kvgate.config: balancer, weights): in init (the master: a bad config fails the start or
 -- reload, and workers inherit the built rings by fork), and again in each worker when a new
@@ -14,6 +16,8 @@ local config = require "kvgate.config"
 local kvctx = require "kvgate.ctx"
 local peers = require "kvgate.balancer.peers"
 local inflight = require "kvgate.inflight"
+local load = require "kvgate.balancer.load"
+local node_load = require "kvgate.node_load"
 
 local ngx = ngx
 local pairs = pairs
@@ -26,6 +30,7 @@ _M.IMPLEMENTATIONS = {
     chash = require "kvgate.balancer.chash",
     round_robin = require "kvgate.balancer.round_robin",
     least_conn = require "kvgate.balancer.least_conn",
+    chash_bounded = require "kvgate.balancer.chash_bounded",
 }
 for name in pairs(config.BALANCERS) do
     assert(_M.IMPLEMENTATIONS[name], "kvgate.config.BALANCERS names " .. name .. ", no module has it")
@@ -36,9 +41,10 @@ local NGX_BUSY = peers.NGX_BUSY
 local instances = {} -- pool name -> instance (this worker; b.impl, b.prt)
 
 -- same(a, b) -> true when two pool runtimes route alike (balancer and every weight) and
--- give keys the same homes (every home weight)
+-- give keys the same homes (every home weight), with the same bound (chash_bounded's fields)
 local function same(a, b)
-    if not a or not b or a.balancer ~= b.balancer then
+    if not a or not b or a.balancer ~= b.balancer or a.bound_factor ~= b.bound_factor
+        or a.saturated_queue ~= b.saturated_queue then
         return false
     end
     for id, n in pairs(a.nodes) do
@@ -132,8 +138,9 @@ local function refresh(premature)
 end
 
 --- init_worker(): per worker, the timer that refreshes each instance's view of the failure
--- marks of the other workers (every peers.REFRESH_S)
+-- marks of the other workers (every peers.REFRESH_S), and the engines' reports' (node_load)
 function _M.init_worker()
+    node_load.init_worker()
     local ok, err = ngx.timer.every(peers.REFRESH_S, refresh)
     if not ok then
         ngx.log(ngx.ERR, "kvgate balancer: cannot start the refresh timer: ", err)
@@ -181,6 +188,9 @@ function _M.failed_last(upstream, addr)
     local counted = restored ~= nil and restored.log.inflight ~= nil
     if counted then
         inflight.finish(restored.log)
+    end
+    if restored then
+        load.finish(restored.log)
     end
     if not name or not addr then
         return

@@ -105,7 +105,7 @@ function _M.load(path)
         if type(pool) ~= "table" or type(pool.affinity) ~= "table" then
             return nil, path .. ": a pool has no affinity list"
         end
-        pool.hashes_key = pool.balancer == "chash"
+        pool.hashes_key = runtime_doc.HASHES_KEY[pool.balancer] == true
         pool.uses_session = false
         for i = 1, #pool.affinity do
             if pool.affinity[i] == "session" then
@@ -257,7 +257,7 @@ local function apply(doc, version, digest)
     rt = new
     for name, pool in pairs(current.pools) do
         local p = new.pools[name]
-        pool.hashes_key = p ~= nil and p.balancer == "chash"
+        pool.hashes_key = p ~= nil and runtime_doc.HASHES_KEY[p.balancer] == true
     end
     for i = 1, #listeners do
         local ok, err = listeners[i](new, old)

@@ -13,6 +13,16 @@ _M.LOG_MAXLEN = 100000
 _M.HOT_PREFIX = "kvgate:hot:"         -- hot prefixes: kvgate:hot:<pool>:<minute> (ZINCRBY fp)
 _M.PREFIX_TEXT_PREFIX = "kvgate:prefix:" -- warm-up prefix documents: kvgate:prefix:<pool>:<fp>
 _M.CONTROL_PREFIX = "kvgate:control:" -- the control plane's state (nodes, events, versions)
+-- engines' last reported load, written by the control plane, read by the gateway's timer
+-- (kvgate.node_load): a hash per pool, field = node id, value = NODE_LOAD_FIELDS in order,
+-- space-separated, "-" for unknown: "<received_at> <interval_s> <waiting> <running> <kv_use>"
+_M.NODE_LOAD_PREFIX = "kvgate:load:"
+_M.NODE_LOAD_FIELDS = { "received_at", "interval_s", "waiting", "running", "kv_use" }
+
+--- node_load(pool) -> "kvgate:load:<pool>"
+function _M.node_load(pool)
+    return _M.NODE_LOAD_PREFIX .. pool
+end
 
 --- resp(version, scope, digest) -> "kvgate:resp:v<N>:<scope>:<digest>" (scope already escaped)
 function _M.resp(version, scope, digest)
@@ -39,7 +49,10 @@ end
 --   point   crc32 of the route key (its place on the ring; "" without a key)
 --   tries   nodes tried (0 = none, 2 = a failover)
 --   home    the key's home node on the ring (kctx.balancer.home; "" = not balanced)
-_M.LOG_FIELDS = { "ts", "pool", "node", "status", "cache", "kind", "fp", "key", "ms", "point", "tries", "home" }
+--   spill   why a bounded balancer sent the key past its home: "bound" (the home over its
+--           load bound) | "queue" (the home's engine queue over saturated_queue) | ""
+_M.LOG_FIELDS = { "ts", "pool", "node", "status", "cache", "kind", "fp", "key", "ms", "point", "tries", "home",
+                  "spill" }
 
 -- The gateway's metric families (/metrics), by short name
 _M.METRICS = {
@@ -54,6 +67,8 @@ _M.METRICS = {
     route_key_sentinel = "kvgate_route_key_sentinel_total",
     bad_requests = "kvgate_bad_requests_total",
     upstream_inflight = "kvgate_upstream_inflight",
+    upstream_load = "kvgate_upstream_load_tokens",
+    route_spill = "kvgate_route_spill_total",
     stream_errors = "kvgate_stream_errors_total",
     stream_cuts = "kvgate_stream_cuts_total",
     request_log_written = "kvgate_request_log_written_total",

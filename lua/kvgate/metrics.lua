@@ -30,6 +30,8 @@ _M.FAMILIES = {
     kvgate_route_key_sentinel_total = { "counter", "Session headers or user fields holding a placeholder for no id (null, undefined, none, nil, nan, empty), taken as absent: the next affinity source routed the request." },
     kvgate_bad_requests_total = { "counter", "Requests rejected by the gateway before any node was contacted, by status." },
     kvgate_upstream_inflight = { "gauge", "Requests in flight per node: counted from the balancer's pick until the request ends (all workers, across reloads)." },
+    kvgate_upstream_load_tokens = { "gauge", "In-flight prefill work per node of the bounded balancers (chash_bounded): estimated prompt tokens of the requests routed there, from the pick until the request ends (all workers)." },
+    kvgate_route_spill_total = { "counter", "Keyed requests a bounded balancer (chash_bounded) sent past their home node because it was over its load bound or its engine's queue over saturated_queue; node = the home that gave way." },
     kvgate_stream_errors_total = { "counter", "Streamed (SSE) responses whose node failed or timed out after the headers were sent; the client got an error event." },
     kvgate_stream_cuts_total = { "counter", "Streamed (SSE) responses the gateway ended itself, by reason: shutdown-grace (still streaming when a reloading worker's grace was nearly over; the client got an error event) or shutdown-forced (closed by nginx at the end of worker_shutdown_timeout, no event)." },
     kvgate_request_log_written_total = { "counter", "Request-log entries written to the Redis stream kvgate:log." },

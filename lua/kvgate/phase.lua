@@ -22,6 +22,7 @@ local kvctx = require "kvgate.ctx"
 local errors = require "kvgate.errors"
 local metrics = require "kvgate.metrics"
 local inflight = require "kvgate.inflight"
+local load = require "kvgate.balancer.load"
 local reqlog = require "kvgate.reqlog"
 local shutdown = require "kvgate.shutdown"
 local balancer = require "kvgate.balancer"
@@ -135,6 +136,7 @@ function _M.log()
     kvctx.release(kctx)
     -- also on a client abort: the log phase always runs
     inflight.finish(kctx.log)
+    load.finish(kctx.log) -- the bounded balancers' prefill tokens (kvgate.balancer.load)
     local addr = var.upstream_addr
     if kctx.log.log_only then
         -- every node failed (@kvgate_upstream_error): counted there, logged here
@@ -280,7 +282,8 @@ end
 --- metrics(): GET /metrics
 function _M.metrics()
     ngx.header["Content-Type"] = "text/plain; version=0.0.4"
-    ngx.print(metrics.render({ [inflight.NAME] = inflight.lines(config.get()) }))
+    local cfg = config.get()
+    ngx.print(metrics.render({ [inflight.NAME] = inflight.lines(cfg), [load.NAME] = load.lines(cfg) }))
 end
 
 return _M

@@ -5,13 +5,14 @@
 -- the buffer in pipelines of at most CHUNK entries (ngx.sleep(0) between two, so a large
 -- buffer never holds the worker's event loop for long):
 --   XADD kvgate:log MAXLEN ~ 100000 * ts .. pool .. node .. status .. cache .. kind .. fp .. key .. ms
---        .. point .. tries .. home        (the fields of keys.LOG_FIELDS, in that order)
+--        .. point .. tries .. home .. spill  (the fields of keys.LOG_FIELDS, in that order)
 --     point: ngx.crc32_long(route key), the key's place on the chash ring, as a decimal
 --            integer ("" without a key); home (below) is the key's node on the home ring
 --     tries: nodes tried ($upstream_addr entries; > 1 = failover, 0 = no upstream/cache hit;
 --            "" for an entry handed over by a worker that predates the field)
 --     home:  the route key's home node as the pool's balancer saw it (kctx.balancer.home;
 --            "" for a cache hit or a request that was never balanced)
+--     spill: "bound" | "queue" when a bounded balancer sent the key past its home (kctx.balancer.spill), else ""
 --   ZINCRBY kvgate:hot:<pool>:<minute> <n> <fp>     (per fingerprint; minute = floor(ts / 60))
 --   EXPIRE  kvgate:hot:<pool>:<minute> <hot_window_s + 120>
 --   SET     kvgate:prefix:<pool>:<fp> <json> EX <ttl_s> NX   (opt-in warm-up sample, kvgate.warm.sample)
@@ -97,19 +98,21 @@ local function xadd(e, fp)
     local point = e.point and format("%d", e.point) or ""
     local tries = e.tries and format("%d", e.tries) or ""
     local home = e.home or ""
+    local spill = e.spill or ""
     return concat({ XADD_HEAD,
         FIELD.ts, "$", #ts, "\r\n", ts, "\r\n", FIELD.pool, "$", #pool, "\r\n", pool, "\r\n",
         FIELD.node, "$", #node, "\r\n", node, "\r\n", FIELD.status, "$", #status, "\r\n", status, "\r\n",
         FIELD.cache, "$", #cache, "\r\n", cache, "\r\n", FIELD.kind, "$", #kind, "\r\n", kind, "\r\n",
         FIELD.fp, "$", #fp, "\r\n", fp, "\r\n", FIELD.key, "$", #key, "\r\n", key, "\r\n",
         FIELD.ms, "$", #ms, "\r\n", ms, "\r\n", FIELD.point, "$", #point, "\r\n", point, "\r\n",
-        FIELD.tries, "$", #tries, "\r\n", tries, "\r\n", FIELD.home, "$", #home, "\r\n", home, "\r\n" })
+        FIELD.tries, "$", #tries, "\r\n", tries, "\r\n", FIELD.home, "$", #home, "\r\n", home, "\r\n",
+        FIELD.spill, "$", #spill, "\r\n", spill, "\r\n" })
 end
 
 --- commands(batch, count, cfg, wire) -> cmds, xadd_positions, set_positions  (PURE)
 -- wire: the XADDs come as strings in Redis's wire format (resp() of the same command; what
 -- the flush sends), else as command tables
--- batch[1..count]: entries {ts, pool, node, status, cache, kind, fp, key, ms, point?, tries?, home?, cap?,
+-- batch[1..count]: entries {ts, pool, node, status, cache, kind, fp, key, ms, point?, tries?, home?, spill?, cap?,
 -- cap_ttl?}
 -- cfg: the data config (per pool hot_window_s); the hot-set counts of a batch are summed
 -- per (pool, minute, fp), and each hot key gets one EXPIRE per batch.
@@ -124,7 +127,7 @@ function _M.commands(batch, count, cfg, wire)
             "cache", e.cache or "", "kind", e.kind or "", "fp", fp, "key", e.key or "",
             "ms", tostring(e.ms),
             "point", e.point and format("%d", e.point) or "", "tries", e.tries and format("%d", e.tries) or "",
-            "home", e.home or "" }
+            "home", e.home or "", "spill", e.spill or "" }
         xadds[#xadds + 1] = #cmds
         if fp ~= "" then
             local hk = _M.hot_key(e.pool, e.ts)

@@ -13,7 +13,12 @@ local sort = table.sort
 local _M = {}
 
 -- the balancer names a runtime may give a pool (kvgate.balancer.IMPLEMENTATIONS)
-_M.BALANCERS = { chash = true, round_robin = true, least_conn = true }
+_M.BALANCERS = { chash = true, round_robin = true, least_conn = true, chash_bounded = true }
+-- the balancers that route on the route key itself (the route stage hashes the prefix for them)
+_M.HASHES_KEY = { chash = true, chash_bounded = true }
+-- a pool's bound_factor (chash_bounded's c): > 1 and at most this
+_M.MAX_BOUND_FACTOR = 100
+_M.MAX_SATURATED_QUEUE = 1000000
 -- the largest nginx-scale weight a push may carry: policy base 10 × WEIGHT_SCALE 100 ×
 -- capacity 4 is 4000; a chash node has 160 points per unit, so this bounds a ring's memory
 _M.MAX_WEIGHT = 10000
@@ -55,7 +60,9 @@ end
 --- check_runtime(doc, cfg) -> true | nil, message, param
 -- doc: a decoded POST body (or runtime.json); cfg: the static config. Every pool and node of
 -- cfg must be present, and nothing else: {pools = {[pool] = {balancer = <known name>,
--- nodes = {[id] = {weight = <integer 0..MAX_WEIGHT>, state = <non-empty string>,
+-- bound_factor = <number in (1, MAX_BOUND_FACTOR], optional>, saturated_queue = <integer
+-- 0..MAX_SATURATED_QUEUE, optional: absent = no saturation> (chash_bounded's; other
+-- balancers ignore them), nodes = {[id] = {weight = <integer 0..MAX_WEIGHT>, state = <non-empty string>,
 -- home_weight = <integer 1..MAX_WEIGHT, optional: the weight on the home ring, see
 -- kvgate.balancer.peers.nodes>}}}},
 -- cache = {namespace_version = <integer >= 0>}}. param: the path of the first bad field
@@ -88,12 +95,23 @@ function _M.check(doc, cfg)
         if not is_object(p) then
             return nil, at .. " must be an object", at
         end
-        msg, param = only(p, { balancer = true, nodes = true }, at .. ".")
+        msg, param = only(p, { balancer = true, nodes = true, bound_factor = true, saturated_queue = true },
+            at .. ".")
         if msg then
             return nil, msg, param
         end
         if type(p.balancer) ~= "string" or not _M.BALANCERS[p.balancer] then
-            return nil, at .. ".balancer must be one of chash, least_conn, round_robin", at .. ".balancer"
+            return nil, at .. ".balancer must be one of " .. table.concat(sorted_keys(_M.BALANCERS), ", "),
+                at .. ".balancer"
+        end
+        local bf = p.bound_factor
+        if bf ~= nil and (type(bf) ~= "number" or not (bf > 1 and bf <= _M.MAX_BOUND_FACTOR)) then
+            return nil, at .. ".bound_factor must be a number > 1 and <= " .. _M.MAX_BOUND_FACTOR,
+                at .. ".bound_factor"
+        end
+        if p.saturated_queue ~= nil and not is_int(p.saturated_queue, _M.MAX_SATURATED_QUEUE) then
+            return nil, at .. ".saturated_queue must be an integer from 0 to " .. _M.MAX_SATURATED_QUEUE,
+                at .. ".saturated_queue"
         end
         local nodes = p.nodes
         if not is_object(nodes) then
@@ -161,7 +179,8 @@ function _M.base(cfg)
             local w = tonumber(n.base_weight or n.weight) or 0
             nodes[tostring(n.id)] = { weight = w, state = n.state or (w > 0 and "active" or "down") }
         end
-        pools[name] = { balancer = pool.base_balancer or pool.balancer, nodes = nodes }
+        pools[name] = { balancer = pool.base_balancer or pool.balancer, nodes = nodes,
+                        bound_factor = tonumber(pool.bound_factor), saturated_queue = tonumber(pool.saturated_queue) }
     end
     return { pools = pools, cache = { namespace_version = tonumber(cfg.cache.namespace_version) or 0 } }
 end

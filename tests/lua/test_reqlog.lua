@@ -57,13 +57,17 @@ H.test("one XADD per entry with every field, MAXLEN ~ 100000", function()
     H.eq(f.tries, "2")
     local names = {}
     for i = 7, #c, 2 do names[#names + 1] = c[i] end
-    H.eq(table.concat(names, " "), "ts pool node status cache kind fp key ms point tries home")
+    H.eq(table.concat(names, " "), "ts pool node status cache kind fp key ms point tries home spill")
     H.eq(table.concat(names, " "), table.concat(require("kvgate.keys").LOG_FIELDS, " "), "keys.LOG_FIELDS order")
     H.eq(f.home, "", "no home: not balanced")
     f = {}
     c = reqlog.commands({ entry({ home = "n2" }) }, 1, CFG)[1]
     for i = 7, #c, 2 do f[c[i]] = c[i + 1] end
     H.eq(f.home, "n2")
+    f = {}
+    c = reqlog.commands({ entry({ spill = "bound" }) }, 1, CFG)[1]
+    for i = 7, #c, 2 do f[c[i]] = c[i + 1] end
+    H.eq(f.spill, "bound")
     c = cmds[xadds[1]]
     for _, v in ipairs(c) do H.eq(type(v), "string") end
     -- no key, no upstream (cache hit): point "" and tries 0
@@ -80,7 +84,7 @@ H.test("one XADD per entry with every field, MAXLEN ~ 100000", function()
     for i = 7, #c, 2 do f[c[i]] = c[i + 1] end
     H.eq(f.point, "")
     H.eq(f.tries, "")
-    H.eq(#c, 6 + 2 * 12) -- every field of keys.LOG_FIELDS (home added in issue 10)
+    H.eq(#c, 6 + 2 * 13) -- every field of keys.LOG_FIELDS (home added in issue 10, spill in 11)
 end)
 
 H.test("hot sets: counts summed per pool/minute/fp, one EXPIRE of hot_window_s + 120 per key", function()

@@ -257,9 +257,9 @@ def test_balancer_override_renders_least_conn() -> None:
     up = _upstream(files["conf/nginx.conf"])
     assert "least_conn;" not in up and "hash " not in up and 'require("kvgate.balancer").balance("p1")' in up
     assert runtime_document(_policy(), Runtime(balancers={"p1": "least_conn"}))["pools"]["p1"]["balancer"] == "least_conn"
-    # without the override the policy's chash is in force (the Lua ring)
-    assert runtime_document(_policy())["pools"]["p1"]["balancer"] == "chash"
-    assert json.loads(files["conf/kvgate.json"])["pools"]["p1"]["balancer"] == "chash"  # the default only
+    # without the override the policy's (default) chash_bounded is in force (the Lua ring)
+    assert runtime_document(_policy())["pools"]["p1"]["balancer"] == "chash_bounded"
+    assert json.loads(files["conf/kvgate.json"])["pools"]["p1"]["balancer"] == "chash_bounded"  # the default only
     assert 'require("kvgate.balancer").balance("p1")' in _upstream(
         render(_policy(), default_lua_dir())["conf/nginx.conf"])
 

@@ -132,7 +132,7 @@ def test_overload_degrades_after_for_s_and_restores() -> None:
     low = {"a": {"received_at": T0 + 30, "report": {"engine": {"waiting": 0}}}}
     below = overload_step(recs, {"p": save.state}, low, p, T0 + 30)[0].state
     back = overload_step(recs, {"p": below}, low, p, T0 + 35)
-    assert back[0].data["to"] == "chash" and back[1].switched_to == "chash" and not back[1].state.degraded
+    assert back[0].data["to"] == "chash_bounded" and back[1].switched_to == "chash_bounded" and not back[1].state.degraded
     # only serving nodes count
     recs["b"] = node("b", state="draining")
     assert overload_step(recs, {"p": PoolState()}, high, p, T0 + 10)[0].state.mean_waiting == 10.0

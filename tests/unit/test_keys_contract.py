@@ -27,6 +27,7 @@ io.write(cjson.encode({
     HOT_PREFIX = k.HOT_PREFIX, PREFIX_TEXT_PREFIX = k.PREFIX_TEXT_PREFIX, CONTROL_PREFIX = k.CONTROL_PREFIX,
     LOG_FIELDS = k.LOG_FIELDS, METRICS = k.METRICS, families = families,
     resp = k.resp(7, "default", "ab12"), hot = k.hot("p1", 1800000000.25), prefix_text = k.prefix_text("p1", "f0"),
+    NODE_LOAD_PREFIX = k.NODE_LOAD_PREFIX, NODE_LOAD_FIELDS = k.NODE_LOAD_FIELDS, node_load = k.node_load("p1"),
 }))
 """
 
@@ -45,6 +46,9 @@ def test_redis_keys_match(lua: dict) -> None:
     assert lua["resp"] == keys.resp_key(7, "default", "ab12") == "kvgate:resp:v7:default:ab12"
     assert lua["hot"] == keys.hot_key("p1", 1800000000 // 60) == "kvgate:hot:p1:30000000"
     assert lua["prefix_text"] == keys.prefix_text_key("p1", "f0") == "kvgate:prefix:p1:f0"
+    assert lua["NODE_LOAD_PREFIX"] == keys.NODE_LOAD_PREFIX
+    assert tuple(lua["NODE_LOAD_FIELDS"]) == keys.NODE_LOAD_FIELDS
+    assert lua["node_load"] == keys.node_load_key("p1") == "kvgate:load:p1"
 
 
 def test_request_log_fields_match(lua: dict) -> None:

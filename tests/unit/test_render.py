@@ -84,7 +84,8 @@ def test_chash_upstream_with_weights() -> None:
     # the balancer directive must precede keepalive
     assert up.index("balancer_by_lua_block") < up.index("keepalive 64;")
     pool = json.loads(files["conf/kvgate.json"])["pools"]["p1"]
-    assert pool["balancer"] == "chash"
+    assert pool["balancer"] == "chash_bounded"  # the default
+    assert pool["bound_factor"] == 1.25 and pool["saturated_queue"] == 16  # defaults too
     assert pool["nodes"] == [
         {"id": "a", "address": "127.0.0.1:9001", "peer": "127.0.0.1:9001", "weight": 300},
         {"id": "b", "address": "127.0.0.1:9002", "peer": "127.0.0.1:9002", "weight": 100},
@@ -257,7 +258,7 @@ def test_digest_leaves_out_the_runtime_defaults() -> None:
         "nodes": [{"id": "a", "url": "http://127.0.0.1:9001", "weight": 5}, {"id": "b", "url": "http://127.0.0.1:9002"}],
     }]}))
     assert a != b
-    assert a["pools"]["p1"]["balancer"] == "chash" and b["pools"]["p1"]["balancer"] == "round_robin"
+    assert a["pools"]["p1"]["balancer"] == "chash_bounded" and b["pools"]["p1"]["balancer"] == "round_robin"
     assert [n["weight"] for n in b["pools"]["p1"]["nodes"]] == [500, 100] and b["cache"]["namespace_version"] == 7
     assert static_identity(a) == static_identity(b)
     assert static_digest("conf", a) == static_digest("conf", b)
@@ -285,10 +286,11 @@ def test_runtime_document_shape() -> None:
     ]})
     assert runtime_document(p) == {
         "pools": {
-            "p1": {"balancer": "chash", "nodes": {"a": {"weight": 300, "state": "active", "home_weight": 300},
-                                                  "b": {"weight": 100, "state": "active", "home_weight": 100}}},
-            "p2": {"balancer": "round_robin", "nodes": {"c": {"weight": 100, "state": "active",
-                                                              "home_weight": 100}}},
+            "p1": {"balancer": "chash_bounded", "bound_factor": 1.25, "saturated_queue": 16,
+                   "nodes": {"a": {"weight": 300, "state": "active", "home_weight": 300},
+                             "b": {"weight": 100, "state": "active", "home_weight": 100}}},
+            "p2": {"balancer": "round_robin", "bound_factor": 1.25, "saturated_queue": 16,
+                   "nodes": {"c": {"weight": 100, "state": "active", "home_weight": 100}}},
         },
         "cache": {"namespace_version": 3},
     }
@@ -297,8 +299,14 @@ def test_runtime_document_shape() -> None:
     doc = runtime_document(p, rt)
     assert doc["pools"]["p1"]["nodes"] == {"a": {"weight": 75, "state": "ramping", "home_weight": 75},
                                            "b": {"weight": 0, "state": "draining", "home_weight": 100}}
-    assert doc["pools"]["p2"] == {"balancer": "least_conn", "nodes": {"c": {"weight": 100, "state": "active",
-                                                                            "home_weight": 100}}}
+    assert doc["pools"]["p2"] == {"balancer": "least_conn", "bound_factor": 1.25, "saturated_queue": 16,
+                                  "nodes": {"c": {"weight": 100, "state": "active", "home_weight": 100}}}
+    # saturated_queue null: left out (the gateway then never skips a node for its queue)
+    p3 = parse_policy({"version": 1, "pools": [{"name": "p1", "models": ["m1"], "bound_factor": 1.1,
+                                                "saturated_queue": None,
+                                                "nodes": [{"id": "a", "url": "http://127.0.0.1:9001"}]}]})
+    assert "saturated_queue" not in runtime_document(p3)["pools"]["p1"]
+    assert runtime_document(p3)["pools"]["p1"]["bound_factor"] == 1.1
     # home_weight: the runtime's serving weight when it has one (a drained node's target)
     rt2 = Runtime(weights={"a": 0, "b": 0}, home_weights={"a": 250})
     nodes = runtime_document(p, rt2)["pools"]["p1"]["nodes"]

@@ -142,7 +142,7 @@ def test_affinity_failovers_cache_and_hot_keys(r: redis.Redis) -> None:
     assert hot[0] == {"key": k1, "kind": "session", "requests": 13, "share": 13 / 15, "home": h1,
                       "nodes": {h1: 10, "cache": 3}}
     assert hot[1]["home"] == h2 and hot[1]["nodes"] == {other_than(h2): 2} and hot[1]["share"] == 2 / 15
-    assert a["balancer"] == "chash" and a["window_s"] == 900
+    assert a["balancer"] == "chash_bounded" and a["window_s"] == 900  # the default
     b = v["b"]
     assert b["requests"] == 0 and b["affinity_ratio"] is None and b["hot_keys"] == []
     assert b["cache_ratio"] == {"HIT": None, "MISS": None, "BYPASS": None}

@@ -234,11 +234,14 @@ class ControlPlane:
             now = time.time()
             self.apply(engine_start_changes(rec, report, now))  # also while the store is down (answered 503)
             self.store.put_report(node_id, report, now)
+            interval_s = self.policy.control.report_interval_s if self.policy else 2.0
+            # the engine's queue/running/KV use where the gateway's balancers read them (kvgate.node_load)
+            self.store.put_node_load(rec.pool, node_id, report, now, interval_s)
             self.history.add_report(node_id, now, report)
             self.metrics.reports.labels(node_id).inc()
             if not self.nodes[node_id].has_agent:
                 self.apply([Save(self.nodes[node_id].evolve(has_agent=True))])
-            return {"interval_s": self.policy.control.report_interval_s if self.policy else 2.0}
+            return {"interval_s": interval_s}
 
     def _reports(self, node_ids: list[str] | None = None) -> dict[str, dict[str, Any]] | None:
         return self.store.try_reports(list(self.nodes) if node_ids is None else node_ids)

@@ -4,6 +4,10 @@ Keys (all under ``kvgate:control:``; values are JSON):
 
 ``node:<id>``        the node's record (state, since, reason, weights, health, warm-up, drain)
 ``report:<id>``      the agent's last report plus ``received_at`` (unix s)
+
+and, for the gateway (outside ``kvgate:control:``, the contract of :mod:`kvgate.keys`):
+``kvgate:load:<pool>`` a hash, node id -> the engine's last reported waiting/running/KV use
+                     with ``received_at`` and the report interval (:func:`kvgate.keys.node_load_value`)
 ``pool:<name>``      pool runtime (overload degrade in force, since when)
 ``events``           a Redis stream of events, capped at ``control.events_kept``
 ``versions``         a list of applied policy versions, newest last, capped at ``control.versions_kept``
@@ -23,6 +27,8 @@ import uuid
 from typing import Any
 
 import redis
+
+from .. import keys
 
 PREFIX = "kvgate:control:"
 
@@ -94,6 +100,20 @@ class Store:
     def put_report(self, node_id: str, report: dict[str, Any], received_at: float) -> None:
         body = json.dumps({"received_at": received_at, "report": report})
         self._call("write report", self.r.set, PREFIX + f"report:{node_id}", body, ex=24 * 3600)
+
+    def put_node_load(self, pool: str, node_id: str, report: dict[str, Any], received_at: float,
+                      interval_s: float) -> None:
+        """The engine figures of a report where the gateway reads them (``kvgate:load:<pool>``,
+        field ``node_id``; the hash lives a day past the last report): ``waiting``, ``running``
+        and ``kv_cache_usage`` of ``report["engine"]``, ``-`` for each one it lacks."""
+        eng = report.get("engine") or {}
+        value = keys.node_load_value(received_at, interval_s, eng.get("waiting"), eng.get("running"),
+                                     eng.get("kv_cache_usage"))
+        key = keys.node_load_key(pool)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(key, node_id, value)
+        pipe.expire(key, 24 * 3600)
+        self._call("write node load", pipe.execute)
 
     def reports(self, node_ids: list[str]) -> dict[str, dict[str, Any]]:
         """``{id: {"received_at": s, "report": {...}}}`` for the nodes that have one."""

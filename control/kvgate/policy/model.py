@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 AffinityKey = Literal["session", "user", "prefix"]
-Balancer = Literal["chash", "round_robin", "least_conn"]
+Balancer = Literal["chash", "round_robin", "least_conn", "chash_bounded"]
 
 GRACE_OVER_READ_TIMEOUT_S = 300
 """Default reload grace beyond the read timeout (gateway.worker_shutdown_timeout_s when not set)."""
@@ -351,10 +351,27 @@ class PoolConfig(_Strict):
     name: str = Field(description="Pool name (lowercase letters, digits, '-' and '_').")
     models: list[str] = Field(min_length=1, description="Model names (the request's `model`) served by this pool.")
     balancer: Balancer = Field(
-        "chash",
-        description="`chash`: consistent hashing of the route key on a ketama ring built from node ids "
+        "chash_bounded",
+        description="`chash_bounded` (the default): consistent hashing with bounded loads on chash's ring, "
+        "\"sticky until saturated\": a key stays on its home node until that node's in-flight prefill work "
+        "(estimated prompt tokens plus its engine's reported queue) is over `bound_factor` × its weighted share "
+        "of the pool's, or its engine's queue is over `saturated_queue`, then walks the ring to the next node "
+        "(counted in `kvgate_route_spill_total`); with no node over its bound, exactly chash's placement. "
+        "`chash`: consistent hashing of the route key on a ketama ring built from node ids "
         "(kvgate's Lua balancer: a node keeps its keys when its address changes) with weights; "
         "`round_robin` and `least_conn`: baselines.",
+    )
+    bound_factor: float = Field(
+        1.25, gt=1, le=100,
+        description="`chash_bounded`'s c: a node takes a key while its in-flight prefill work plus the request's "
+        "is at most c × the pool's (plus the request's) × its share of the serving weights. Closer to 1 evens "
+        "load out and spills more keys off their cache-warm homes; larger keeps more affinity. Must be > 1.",
+    )
+    saturated_queue: int | None = Field(
+        16, ge=0, le=1_000_000,
+        description="`chash_bounded`: a node whose engine last reported more than this many waiting requests "
+        "(vLLM `num_requests_waiting`, from its agent; reports older than 3 report intervals count as unknown, "
+        "never as idle) is skipped by the keys whose home it is, as an over-bound node. null: never.",
     )
     affinity: list[AffinityKey] = Field(
         default_factory=lambda: ["session", "user", "prefix"],

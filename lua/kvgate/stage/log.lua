@@ -68,6 +68,8 @@ function _M.entry(kctx, node, status, outcome, addr)
         point = (rk and rk ~= "") and crc32_long(rk) or nil,
         tries = _M.tries(addr),
         home = node ~= "cache" and kctx.balancer.home or nil,
+        -- "bound" | "queue": a bounded balancer sent the key past its home (kvgate.balancer.chash_bounded)
+        spill = node ~= "cache" and kctx.balancer.spill or nil,
     }
 end
 
