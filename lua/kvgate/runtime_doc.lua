@@ -13,9 +13,9 @@ local sort = table.sort
 local _M = {}
 
 -- the balancer names a runtime may give a pool (kvgate.balancer.IMPLEMENTATIONS)
-_M.BALANCERS = { chash = true, round_robin = true, least_conn = true, chash_bounded = true }
+_M.BALANCERS = { chash = true, round_robin = true, least_conn = true, chash_bounded = true, prefix = true }
 -- the balancers that route on the route key itself (the route stage hashes the prefix for them)
-_M.HASHES_KEY = { chash = true, chash_bounded = true }
+_M.HASHES_KEY = { chash = true, chash_bounded = true, prefix = true }
 -- a pool's bound_factor (chash_bounded's c): > 1 and at most this
 _M.MAX_BOUND_FACTOR = 100
 _M.MAX_SATURATED_QUEUE = 1000000
