@@ -7,6 +7,8 @@
 --   least_conn   fewest in flight per unit of weight (shared in-flight dict)
 --   chash_bounded  chash's ring with bounded loads: the key's first node under its bound of
 --                in-flight prefill work and not saturated (kvgate.balancer.chash_bounded)
+--   prefix       the eligible node (chash_bounded's rule) holding the longest leading part of
+--                the prompt by the prefix index (kvgate.balancer.prefix, kvgate.prefix_index)
 -- Instances are built from the static pool (kvgate.json: ids, addresses) and the runtime
 -- (kvgate.config: balancer, weights): in init (the master: a bad config fails the start or
 -- reload, and workers inherit the built rings by fork), and again in each worker when a new
@@ -31,6 +33,7 @@ _M.IMPLEMENTATIONS = {
     round_robin = require "kvgate.balancer.round_robin",
     least_conn = require "kvgate.balancer.least_conn",
     chash_bounded = require "kvgate.balancer.chash_bounded",
+    prefix = require "kvgate.balancer.prefix",
 }
 for name in pairs(config.BALANCERS) do
     assert(_M.IMPLEMENTATIONS[name], "kvgate.config.BALANCERS names " .. name .. ", no module has it")
