@@ -44,9 +44,11 @@ local function new_dict()
     end
     return d
 end
-local state, inflight_dict, prefix_dict = new_dict(), new_dict(), new_dict()
+local state, inflight_dict, prefix_dict, load_dict = new_dict(), new_dict(), new_dict(), new_dict()
 _G.ngx = {
-    var = {}, ctx = {}, shared = { kvgate_state = state, kvgate_inflight = inflight_dict, kvgate_prefix = prefix_dict },
+    var = {}, ctx = {},
+    shared = { kvgate_state = state, kvgate_inflight = inflight_dict, kvgate_prefix = prefix_dict,
+               kvgate_load = load_dict, kvgate_metrics = new_dict() },
     crc32_long = ring.crc32, now = function() return now end,
     log = function() end, WARN = 4, ERR = 3,
     exit = function(code) return "exit", code end,
@@ -63,6 +65,8 @@ package.loaded["ngx.balancer"] = {
 local prefix = require "kvgate.balancer.prefix"
 local chash = require "kvgate.balancer.chash"
 local inflight = require "kvgate.inflight"
+local load = require "kvgate.balancer.load"
+local cjson = require "cjson.safe"
 
 local CHUNK = 256
 local function pool(n)
@@ -104,11 +108,13 @@ local function chat(user, extra)
 end
 
 -- one request through the balancer: key/kind as the route stage leaves them; failures: the
--- retries' get_last_failure; -> ids tried, the request's kctx
-local function request(b, req, key, kind, failures)
+-- retries' get_last_failure; -> ids tried, the request's kctx. The request has ended when this
+-- returns (its load released, as the log phase does) unless `hold`.
+local function request(b, req, key, kind, failures, hold)
     ngx.ctx = {}
     local kctx = require("kvgate.ctx").get()
     kctx.req.parsed, kctx.req.endpoint = req, "chat"
+    kctx.req.body = cjson.encode(req)
     kctx.route.key, kctx.route.kind = key or "", kind or "prefix"
     kctx.route.fp = "fp-of-the-window"
     local out = {}
@@ -121,14 +127,33 @@ local function request(b, req, key, kind, failures)
         end
         out[#out + 1] = id_of(B.peer)
     end
-    inflight.finish(kctx.log)
+    if not hold then
+        inflight.finish(kctx.log)
+        load.finish(kctx.log)
+    end
     return out, kctx
+end
+
+-- first turns that arrive together (each stays in flight until all are sent): the bound
+-- spreads them; -> the node of each
+local function burst(b, reqs)
+    local ids, held = {}, {}
+    for i, req in ipairs(reqs) do
+        local got, kctx = request(b, req, "", "prefix", nil, true)
+        ids[i], held[i] = got[1], kctx
+    end
+    for _, kctx in ipairs(held) do
+        inflight.finish(kctx.log)
+        load.finish(kctx.log)
+    end
+    return ids
 end
 
 local function reset()
     state.reset()
     inflight_dict.reset()
     prefix_dict.reset()
+    load_dict.reset()
     now = 1000
 end
 
@@ -138,9 +163,7 @@ H.test("a conversation's next turn goes to the node holding its previous turn, w
     local first = words(1, 6 * CHUNK)
     local n1 = request(b, chat(first), "", "prefix")[1]
     for i = 1, 5 do
-        -- later turns after the user's think time (the load window has moved on), with a
-        -- route key that would hash elsewhere
-        now = now + 2 * prefix.LOAD_WINDOW_S
+        -- later turns, with a route key that would hash elsewhere
         local got = request(b, chat(first, words(100 + i, 3 * CHUNK)), "u:someone-" .. i, "prefix")[1]
         H.eq(got, n1, "turn " .. i + 1)
     end
@@ -151,13 +174,12 @@ H.test("two conversations sharing a long system prompt each land by their own lo
     local b = assert(prefix.new(pool(4)))
     -- 40 first turns: the system prompt soon on every node (a tie), each conversation's own
     -- first chunk decides
-    local homes = {}
+    local firsts = {}
     for i = 1, 40 do
-        homes[i] = request(b, chat(words(200 + i, 4 * CHUNK)))[1]
+        firsts[i] = chat(words(200 + i, 4 * CHUNK))
     end
+    local homes = burst(b, firsts)
     for i = 1, 40 do
-        -- each follow-up after its user's think time (the window's load has moved on)
-        now = now + 2 * prefix.LOAD_WINDOW_S
         local got, kctx = request(b, chat(words(200 + i, 4 * CHUNK), words(300 + i, 2 * CHUNK)))
         H.eq(got[1], homes[i], "conversation " .. i)
         H.eq(kctx.balancer.depth, 16 + 4, "matched its system prompt and its first turn")
@@ -177,9 +199,11 @@ H.test("a session key breaks a tie on its ring point; a longer match elsewhere s
     reset()
     local b = assert(prefix.new(pool(4)))
     -- the system prompt on every node
+    local firsts = {}
     for i = 1, 40 do
-        request(b, chat(words(400 + i, CHUNK)))
+        firsts[i] = chat(words(400 + i, CHUNK))
     end
+    burst(b, firsts)
     local want = chash.pick(b, { point = ngx.crc32_long("s:abc") })
     local got = request(b, chat(words(999, 2 * CHUNK)), "s:abc", "session")[1]
     H.eq(got, want.id, "tie at the system prompt -> the session key's node")
@@ -189,8 +213,13 @@ H.test("hot prefix: every request shares one system prompt and one route key; th
     reset()
     local b = assert(prefix.new(pool(4)))
     local work, hits, total = {}, 0, 0
+    local flight = {} -- 16 requests in flight: each ends when the 16th after it starts
     for i = 1, 400 do
-        local got, kctx = request(b, chat(words(500 + i, 2 * CHUNK)), "p:the-same-key", "prefix")
+        local got, kctx = request(b, chat(words(500 + i, 2 * CHUNK)), "p:the-same-key", "prefix", nil, true)
+        flight[#flight + 1] = kctx
+        if #flight > 16 then
+            load.finish(table.remove(flight, 1).log)
+        end
         local id = got[1]
         local cost = (16 + 2 - kctx.balancer.depth) * CHUNK
         work[id] = (work[id] or 0) + cost
@@ -207,12 +236,28 @@ H.test("hot prefix: every request shares one system prompt and one route key; th
     H.truthy(hits >= 396, "the shared prompt still hits after the first request per node: " .. hits)
 end)
 
+H.test("a longest match over its bound gives way to the next eligible node, counted as a spill", function()
+    reset()
+    local b = assert(prefix.new(pool(4)))
+    local first = words(21, 6 * CHUNK)
+    local home = request(b, chat(first))[1]
+    -- 8 long requests in flight on the home, nothing elsewhere
+    local node = b.by_id[home]
+    load_dict:incr(node.load_key, 80000, 0)
+    load_dict:incr(b.total_key, 80000, 0)
+    local got, kctx = request(b, chat(first, words(22, CHUNK)))
+    H.ne(got[1], home)
+    H.eq(kctx.balancer.spill, "bound")
+    H.eq(kctx.balancer.depth, 0, "the other nodes hold nothing of it")
+    -- and its load went back when it ended
+    H.eq(load_dict:get(b.by_id[got[1]].load_key), 0)
+end)
+
 H.test("failover: the retry goes to the key's next node on the ring; the failed node is skipped after", function()
     reset()
     local b = assert(prefix.new(pool(4)))
     local first = words(7, 6 * CHUNK)
     local home = request(b, chat(first))[1]
-    now = now + 2 * prefix.LOAD_WINDOW_S
     local got = request(b, chat(first, words(8, CHUNK)), "p:k", "prefix", { "failed" })
     H.eq(got[1], home)
     H.ne(got[2], home)
@@ -252,7 +297,6 @@ H.test("a new runtime keeps the index and the node slots", function()
     local first = words(13, 4 * CHUNK)
     local home = request(b, chat(first))[1]
     local b2 = assert(prefix.new(p, prt, b))
-    now = now + 2 * prefix.LOAD_WINDOW_S
     H.eq(b2.index, b.index)
     H.eq(request(b2, chat(first, words(14, CHUNK)))[1], home)
 end)

@@ -1,32 +1,35 @@
 -- The prefix balancer: a request goes to the eligible node that holds the longest leading
 -- part of its prompt, by the pool's approximate prefix index (kvgate.prefix_index: chained
 -- chunk hashes of the canonical prompt -> nodes that recently computed them), so no
--- `prefix_chars` window has to be tuned. Runs in balancer_by_lua (kvgate.balancer.balance);
--- tries, failure marks and the in-flight count are kvgate.balancer.peers', the ring and the
--- home ring kvgate.balancer.chash's (this instance is a chash instance plus the index).
+-- `prefix_chars` window has to be tuned. Runs in balancer_by_lua (kvgate.balancer.balance).
+-- The instance is a chash_bounded instance (chash's ring and home ring, the bound's fields)
+-- plus the index; eligibility, load and spills are chash_bounded's.
 --
 -- First try of a request:
---   1. start: the chain of the request's canonical prompt (kvgate.prefix_index.prepare: ~19 us
---      of hashing for 48 KB, no allocation; tests/lua/bench_prefix.lua), the route key's point.
---   2. pick: for every node taking traffic (not down, failed or tried) its matched depth
---      (chunks it still holds) and its load (bytes of uncached prompt it was given over the
---      last LOAD_WINDOW_S, a sliding window across every worker). A node is eligible while
---      load < bound × (pool's load + this request's uncached bytes there) × weight ÷
---      total weight (bounded loads, Mirrokni et al. SODA 2018; bound = the pool's
---      bound_factor, DEFAULT_BOUND without one). The eligible node with the longest match
---      wins; ties and no match walk the ring to the first eligible (tied) node, from the point
---      of the session/user key when the client sent one, else of the request's first chunk
---      that no node holds (the part of the prompt that tells this conversation from the
---      others that share its system prompt: the window, found per request).
+--   1. start: chash_bounded's (the key's point, the estimated prompt tokens, the load's
+--      holder), the chain of the request's canonical prompt (kvgate.prefix_index.prepare), and
+--      per node taking traffic the chunks it still holds (st.held: the tokens chash_bounded's
+--      load discounts, in its units: kvgate.balancer.load.BYTES_PER_TOKEN).
+--   2. pick: a node is eligible when chash_bounded would let the request stay there (taking
+--      traffic, not failed or tried, its engine's queue at most saturated_queue, in-flight
+--      prefill work + this request's uncached tokens within bound_factor × its weighted share:
+--      chash_bounded.eligible). The eligible node with the longest match wins. Ties and no
+--      match walk the ring to the first eligible (tied) node, from the point of the session or
+--      user key when the client sent one, else of the request's first chunk that no node holds
+--      (what tells this conversation from the others sharing its system prompt: the window,
+--      found per request). A longest match given up for the bound or the queue is a spill
+--      (kvgate_route_spill_total{node = the node given up}).
 --   3. record: the picked node's chain goes into the index (shared-dict writes, allowed in
---      balancer_by_lua) and its uncached bytes into its load.
--- A retry (failover) goes to the key's next node on the ring, as chash's; a request with no
--- prompt (or no full chunk) is chash's.
--- TODO(issue 11): eligibility from kvgate.balancer.chash_bounded (in-flight prefill work and
--- the engines' queues) once it lands; the window load here stands in for it.
-local chash = require "kvgate.balancer.chash"
+--      balancer_by_lua), the request's tokens less what the node holds into its load.
+-- A retry (failover), a request without a full chunk of prompt, and a pool without the
+-- kvgate_prefix dict are chash_bounded's. Measured cost: tests/lua/bench_prefix.lua.
+local chash_bounded = require "kvgate.balancer.chash_bounded"
 local peers = require "kvgate.balancer.peers"
 local ring = require "kvgate.balancer.ring"
+local load = require "kvgate.balancer.load"
+local node_load = require "kvgate.node_load"
+local metrics = require "kvgate.metrics"
+local keys = require "kvgate.keys"
 local index_mod = require "kvgate.prefix_index"
 
 local ngx = ngx
@@ -36,7 +39,10 @@ local prepare = index_mod.prepare
 local match = index_mod.match
 local record = index_mod.record
 local chain_point = index_mod.point
-local floor = math.floor
+local eligible = chash_bounded.eligible
+local waiting = node_load.waiting
+local pool_waiting = node_load.pool_waiting
+local take = load.take
 local tonumber = tonumber
 local ipairs = ipairs
 local crc32_long = ngx.crc32_long
@@ -44,15 +50,24 @@ local crc32_long = ngx.crc32_long
 local _M = {}
 
 _M.NAME = "prefix"
-_M.DEFAULT_BOUND = 1.25
--- the load's sliding window (seconds): two slots of this length, the older one weighted by
--- the part of it still inside the window
-_M.LOAD_WINDOW_S = 4
 
---- new(pool, prt, prev) -> balancer | nil, err (see kvgate.balancer.peers); pool.prefix_index:
--- the index's settings (kvgate.prefix_index.new), pool.bound_factor: the load bound
+local spills = metrics.counter(keys.METRICS.route_spill, { "pool", "node" })
+
+local the_dict
+local function load_dict()
+    local d = the_dict
+    if d == nil then
+        d = ngx.shared[load.DICT] or false
+        the_dict = d
+    end
+    return d
+end
+
+--- new(pool, prt, prev) -> balancer | nil, err (see kvgate.balancer.peers): chash_bounded's
+-- instance plus the index (pool.prefix_index: kvgate.prefix_index.new's settings), kept with
+-- each node's slot across runtimes
 function _M.new(pool, prt, prev)
-    local b, err = chash.new(pool, prt, prev)
+    local b, err = chash_bounded.new(pool, prt, prev)
     if not b then
         return nil, err
     end
@@ -67,23 +82,23 @@ function _M.new(pool, prt, prev)
     end
     b.index = idx
     b.index_opts = pool.prefix_index
-    local bound = tonumber(pool.bound_factor) or _M.DEFAULT_BOUND
-    b.bound = bound > 1 and bound or _M.DEFAULT_BOUND
+    -- tokens per held chunk, in the load's units (its estimate of a body's tokens)
+    b.chunk_tokens = idx.chunk / load.BYTES_PER_TOKEN
+    -- st.held of the request in this worker's balancer call (no table per request: only the
+    -- first try reads it, in the same call as start)
+    b.held = {}
     for _, node in ipairs(b.nodes) do
         local old = prev and prev.by_id and prev.by_id[node.id]
         node.pfx = old and old.pfx or index_mod.slot(idx, node.id)
-        node.lkeys = old and old.lkeys or { "l:" .. pool.name .. ":" .. node.id .. ":0",
-                                            "l:" .. pool.name .. ":" .. node.id .. ":1" }
-        node.depth, node.oldest, node.load, node.cost = 0, nil, 0, 0
-        node.ok, node.tie = false, false
+        node.depth, node.oldest, node.ok, node.tie = 0, nil, false, false
     end
     return b
 end
 
---- start(b, st, kctx): the route key's point (chash's; the fingerprint's key when the route
--- stage left the prefix key unhashed) and the chain of the prompt (st.n chunks, st.chars bytes)
+--- start(b, st, kctx): chash_bounded's start, the chain of the prompt (st.n chunks), the
+-- chunks each node taking traffic holds (node.depth) and the tokens that makes (st.held)
 function _M.start(b, st, kctx)
-    peers.start(b, st, kctx)
+    chash_bounded.start(b, st, kctx)
     local route = kctx.route
     local kind = route.kind
     if not st.point and kind == "prefix" and route.fp then
@@ -92,25 +107,25 @@ function _M.start(b, st, kctx)
     st.keyed = kind == "session" or kind == "user"
     local r = kctx.req
     local req = r and r.parsed
-    if req and b.index.dict then
-        st.n, st.chars = prepare(b.index, req, r.endpoint)
+    local idx = b.index
+    if not (req and idx.dict) then
+        return
     end
-end
-
--- the load window's slot at `now`: parity of the current slot (1 or 2: lkeys index), the
--- older slot's weight, the current slot's key lifetime (to the end of the next slot)
-local function slot(now)
-    local w = _M.LOAD_WINDOW_S
-    local s = floor(now / w)
-    local frac = (now - s * w) / w
-    return s % 2 + 1, 1 - frac, (s + 2) * w - now
-end
-
-local function load(d, node, cur, older_weight)
-    local k = node.lkeys
-    local a = tonumber(d:get(k[cur])) or 0
-    local o = tonumber(d:get(k[3 - cur])) or 0
-    return a + o * older_weight
+    local n = prepare(idx, req, r.endpoint)
+    st.n = n
+    if n == 0 then
+        return
+    end
+    local held, ct = b.held, b.chunk_tokens
+    for _, node in ipairs(b.nodes) do
+        local depth, oldest = 0, nil
+        if node.w > 0 and not node.failed then
+            depth, oldest = match(idx, node.pfx, n)
+        end
+        node.depth, node.oldest = depth, oldest
+        held[node.id] = depth * ct
+    end
+    st.held = held
 end
 
 local function skip_not_ok(node)
@@ -122,58 +137,69 @@ local function skip_not_tie(node)
 end
 
 --- held_tokens(b, st, node) -> prompt tokens of this request the node already holds by the
--- index (the discount of a load count in tokens); valid in the balancer call that ran start
+-- index, in the load's units; valid in the balancer call that ran start
 function _M.held_tokens(b, st, node)
-    local n = st.n
-    if not n or n == 0 then
-        return 0
+    local held = st.held
+    return held and held[node.id] or 0
+end
+
+-- account(b, st, node, cost): the first try's load on node (chash_bounded's take and its mean
+-- request estimate)
+local function account(b, st, node, cost)
+    local h = st.holder
+    if not h then
+        return
     end
-    return index_mod.held_tokens(b.index, (match(b.index, node.pfx, n)))
+    local c = st.cost
+    local avg = b.avg
+    b.avg = avg == 0 and c or avg + (c - avg) * chash_bounded.AVG_ALPHA
+    take(h, node.load_key, b.total_key, cost)
 end
 
 --- pick(b, st, tried) -> node, home | nil[, home]
 function _M.pick(b, st, tried)
     local n = st.n
     if tried or not n or n == 0 then
-        -- failover, or nothing to match: chash's walk from the route key
-        return chash.pick(b, st, tried)
+        -- failover, or nothing to match: chash_bounded's walk from the route key (a retry's
+        -- held figures may be another request's: dropped)
+        st.held = nil
+        return chash_bounded.pick(b, st, tried)
     end
-    local idx = b.index
-    local d = idx.dict
     local nodes = b.nodes
-    local now = ngx.now()
-    local cur, older_weight, ttl = slot(now)
-    local chars, chunk = st.chars, idx.chunk
-    local total_load, total_w, best, any = 0, 0, 0, false
+    local d = load_dict()
+    local total = (d and d:get(b.total_key) or 0) + pool_waiting(b.pool) * b.avg
+    local c, W, sat, avg, cost0, ct = b.c, b.W, b.sat, b.avg, st.cost or 1, b.chunk_tokens
+    local best, top, top_why = 0, nil, nil
     for i = 1, #nodes do
         local node = nodes[i]
         node.ok, node.tie = false, false
         if node.w > 0 and not skip_failed(node, tried) then
-            local depth, oldest = match(idx, node.pfx, n)
-            node.depth, node.oldest = depth, oldest
-            node.cost = chars - depth * chunk
-            node.load = load(d, node, cur, older_weight)
-            total_load = total_load + node.load
-            total_w = total_w + node.w
-            any = true
-        end
-    end
-    if not any then
-        -- every node taking traffic failed: chash tries them again
-        return chash.pick(b, st, tried)
-    end
-    local bound = b.bound
-    for i = 1, #nodes do
-        local node = nodes[i]
-        if node.w > 0 and not skip_failed(node, tried) then
-            -- a node under its bound takes the request, whatever its size (the continuous
-            -- form of the paper's ceil(c × (m + 1) / n) balls: a request larger than a
-            -- node's share still goes to an idle node)
-            if node.load < bound * (total_load + node.cost) * node.w / total_w then
+            local why
+            local q = waiting(b.pool, node.id)
+            if q and q > sat then
+                why = "queue"
+            else
+                local l = d and d:get(node.load_key) or 0
+                if q then
+                    l = l + q * avg
+                end
+                local cost = cost0 - node.depth * ct
+                if cost < 0 then
+                    cost = 0
+                end
+                node.cost = cost
+                if not eligible(l, cost, total, c, node.w, W) then
+                    why = "bound"
+                end
+            end
+            if not why then
                 node.ok = true
                 if node.depth > best then
                     best = node.depth
                 end
+            end
+            if node.depth > 0 and (not top or node.depth > top.depth) then
+                top, top_why = node, why
             end
         end
     end
@@ -197,16 +223,16 @@ function _M.pick(b, st, tried)
         node = find(b.ring, point, skip_not_ok)
     end
     if not node then
-        -- no node under the bound (uneven weights): chash's choice among the candidates
-        node = find(b.ring, st.point or point, skip_failed)
-        if not node then
-            return chash.pick(b, st, tried)
-        end
+        -- none eligible (every node saturated): chash_bounded's own fallback
+        return chash_bounded.pick(b, st, tried)
     end
-    record(idx, node.pfx, n, node.depth, node.oldest)
-    if node.cost > 0 then
-        d:incr(node.lkeys[cur], node.cost, 0, ttl)
+    if top and top_why and top.depth > node.depth then
+        -- the longest match gave way to its bound or its engine's queue
+        st.spill = top_why
+        spills(1, b.pool, top.id)
     end
+    record(b.index, node.pfx, n, node.depth, node.oldest)
+    account(b, st, node, node.cost)
     st.depth = node.depth
     local home
     if st.point then
