@@ -50,7 +50,7 @@ import jinja2
 
 from . import paths
 from .fleet.weights import WEIGHT_SCALE  # noqa: F401 - the weight arithmetic's one home; re-exported
-from .policy.model import Policy
+from .policy.model import DEFAULT_TENANT, Policy
 
 TENANT = "default"
 """Tenant of every request until authentication names one (part of every cache key)."""
@@ -289,8 +289,21 @@ def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
             for addr in _addresses(node.host, node.port) + [peers[node.id]]:
                 nodes_by_addr[addr] = node.id
     gw = policy.gateway
+    tenants: dict[str, Any] = {}
+    for t in policy.tenants:
+        entry: dict[str, Any] = {"name": t.name or t.id, "scope": t.cache_scope}
+        if t.models is not None:
+            entry["models"] = {m: True for m in t.models}  # absent: every model
+        tenants[t.id] = entry
     return {
+        # the cache scope of every request when gateway.auth is off (one anonymous tenant)
         "tenant": TENANT,
+        # API keys (lua/kvgate/tenant.lua): the mode, how long a worker trusts a key's lookup,
+        # how long a seen key stays valid while Redis is unreachable
+        "auth": {"mode": gw.auth, "cache_ttl_s": gw.auth_cache_ttl_s, "stale_s": gw.auth_stale_s,
+                 "default_tenant": DEFAULT_TENANT},
+        "tenants": tenants,
+        "tenant_ids": sorted(tenants),
         "debug_headers": gw.debug_headers,
         "fallback_route_key": gw.fallback_route_key,
         "max_body_bytes": gw.max_body_bytes,

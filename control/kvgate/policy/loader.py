@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from .model import Policy
+from .model import DEFAULT_TENANT, Policy
 
 
 @dataclass
@@ -146,12 +146,36 @@ def cross_check(policy: Policy) -> list[PolicyIssue]:
                 issues.append(PolicyIssue(f"{here}.id", f"node id {node.id!r} is already used by {node_ids[node.id]}"))
             node_ids.setdefault(node.id, here)
             clash(f"{here}.url", node.host, node.port)
+    issues += _tenant_issues(policy, models)
     passive = policy.health.passive
     if passive.enabled and passive.window_s < 2 * policy.control.tick_s:
         # the 5xx share is the difference of two scrapes of the gateway (one per tick)
         issues.append(PolicyIssue("health.passive.window_s", f"{passive.window_s:g}s is shorter than two reconciler "
                                   f"rounds (2 × control.tick_s = {2 * policy.control.tick_s:g}s): the share would be "
                                   "judged on a single scrape of the gateway"))
+    return issues
+
+
+def _tenant_issues(policy: Policy, models: dict[str, str]) -> list[PolicyIssue]:
+    """Unique tenant ids, known models, and the tenants ``gateway.auth`` needs."""
+    issues: list[PolicyIssue] = []
+    seen: dict[str, int] = {}
+    for i, t in enumerate(policy.tenants):
+        if t.id in seen:
+            issues.append(PolicyIssue(f"tenants[{i}].id", f"tenant id {t.id!r} is already used by tenants[{seen[t.id]}]"))
+        seen.setdefault(t.id, i)
+        for j, m in enumerate(t.models or []):
+            if m not in models:
+                issues.append(PolicyIssue(f"tenants[{i}].models[{j}]", f"model {m!r} is served by no pool"))
+    auth = policy.gateway.auth
+    if auth == "off" and policy.tenants:
+        issues.append(PolicyIssue("gateway.auth", "tenants are defined but gateway.auth is off: "
+                                  "set optional or required (or remove tenants)"))
+    if auth == "optional" and DEFAULT_TENANT not in seen:
+        issues.append(PolicyIssue("tenants", f"gateway.auth: optional maps keyless requests to the tenant "
+                                  f"{DEFAULT_TENANT!r}: define it"))
+    if auth == "required" and not policy.tenants:
+        issues.append(PolicyIssue("tenants", "gateway.auth: required needs at least one tenant"))
     return issues
 
 

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 AffinityKey = Literal["session", "user", "prefix"]
+AuthMode = Literal["off", "optional", "required"]
 Balancer = Literal["chash", "round_robin", "least_conn", "chash_bounded"]
 
 GRACE_OVER_READ_TIMEOUT_S = 300
@@ -83,6 +84,19 @@ class GatewayConfig(_Strict):
     debug_headers: bool = Field(
         False, description="Add X-Kvgate-Node and X-Kvgate-Route-Key-Kind to responses."
     )
+    auth: AuthMode = Field(
+        "off", description="Client API keys (`kvgate keys create`): `off` = an open gateway (no tenants); "
+        "`optional` = a request without a key is the tenant `default`'s, one with a key must carry a valid key; "
+        "`required` = every request needs a valid key (401 `invalid_api_key` otherwise).",
+    )
+    auth_cache_ttl_s: float = Field(
+        5.0, gt=0, le=300, description="How long each nginx worker trusts what Redis said about an API key "
+        "(seconds): a revocation or a new key takes effect within this time.",
+    )
+    auth_stale_s: float = Field(
+        300.0, ge=0, le=86400, description="While Redis cannot be reached, a key a worker saw valid stays valid "
+        "this long after its last check (seconds); keys never seen get 503 `auth_unavailable`.",
+    )
     connect_timeout_s: float = Field(1.0, gt=0, description="Upstream connect timeout (seconds).")
     read_timeout_s: float = Field(600.0, gt=0, description="Upstream read timeout between two reads (seconds).")
     fallback_route_key: str = Field(
@@ -140,6 +154,12 @@ class GatewayConfig(_Strict):
             raise ValueError(f"must be at least client_body_timeout_s = {idle:g} s (the idle timeout would never "
                              "apply)")
         return v
+
+    @field_validator("auth", mode="before")
+    @classmethod
+    def _auth_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` (and `no`, `false`) as false
+        return "off" if v is False else v
 
     @model_validator(mode="before")
     @classmethod
@@ -537,6 +557,48 @@ class DrainConfig(_Strict):
     )
 
 
+class TenantConfig(_Strict):
+    """A tenant: who a request is from (its API key's tenant), what it may use, whose cached
+    answers it may receive (docs/tenants.md)."""
+
+    id: str = Field(description="Tenant id (lowercase letters, digits, '-' and '_'); the id on API keys, "
+                    "in the request log and in metric labels.")
+    name: str = Field("", max_length=200, description="Display name (admin page).")
+    models: list[str] | None = Field(
+        None, description="Models (the request's `model`) this tenant may use; omitted = every model. "
+        "Any other model answers 404 `model_not_found`, as an unknown one does.",
+    )
+    cache: Literal["private", "shared"] = Field(
+        "private", description="`private`: the tenant's cached answers are its own; `shared`: shared with "
+        "every tenant of the same `cache_group`.",
+    )
+    cache_group: str | None = Field(None, description="The group whose cache a `shared` tenant uses.")
+
+    @field_validator("id", "cache_group")
+    @classmethod
+    def _check_id(cls, v: str | None) -> str | None:
+        if v is not None and not _ID_RE.match(v):
+            raise ValueError(f"invalid id {v!r}: use lowercase letters, digits, '-' and '_' (at most 63)")
+        return v
+
+    @model_validator(mode="after")
+    def _check_cache(self) -> "TenantConfig":
+        if self.cache == "shared" and not self.cache_group:
+            raise ValueError("cache: shared needs a cache_group")
+        if self.cache == "private" and self.cache_group:
+            raise ValueError("cache_group is only for cache: shared")
+        return self
+
+    @property
+    def cache_scope(self) -> str:
+        """The response cache's scope of this tenant's entries: ``t.<id>`` or ``g.<group>``."""
+        return f"g.{self.cache_group}" if self.cache == "shared" else f"t.{self.id}"
+
+
+DEFAULT_TENANT = "default"
+"""The tenant of a keyless request under ``gateway.auth: optional``."""
+
+
 class Policy(_Strict):
     """A whole routing policy file."""
 
@@ -551,6 +613,10 @@ class Policy(_Strict):
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     ramp: RampConfig = Field(default_factory=RampConfig)
     drain: DrainConfig = Field(default_factory=DrainConfig)
+    tenants: list[TenantConfig] = Field(
+        default_factory=list, description="Tenants (with `gateway.auth` optional or required); "
+        "`optional` needs one with id `default`.",
+    )
 
     def node(self, node_id: str) -> NodeConfig:
         """The node with this id. Raises KeyError for an unknown id."""
