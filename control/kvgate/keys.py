@@ -23,6 +23,20 @@ NODE_LOAD_PREFIX = "kvgate:load:"
 """Engines' last reported load: a hash per pool ``kvgate:load:<pool>``, field = node id, value =
 :data:`NODE_LOAD_FIELDS` space-separated (``-`` = unknown). Written by the control plane at each
 agent report, read by the gateway's timer every second (``lua/kvgate/node_load.lua``)."""
+APIKEY_PREFIX = "kvgate:apikey:"
+"""API keys: a hash per key ``kvgate:apikey:<sha256 hex of the secret>`` with ``id``, ``tenant``,
+``name``, ``created`` (unix s), ``revoked`` (``0``/``1``) and ``last_used`` (unix s, set by the
+gateways). Written by the control plane (``control/apikeys.py``), read by ``lua/kvgate/tenant.lua``.
+The secret itself is stored nowhere."""
+APIKEY_INDEX = "kvgate:apikeys"
+"""Hash: key id -> the key's sha256 hex (the control plane's listing and revocation by id)."""
+
+
+def apikey_key(digest: str) -> str:
+    """``kvgate:apikey:<digest>`` (``keys.lua``'s ``apikey``)."""
+    return APIKEY_PREFIX + digest
+
+
 NODE_LOAD_FIELDS: tuple[str, ...] = ("received_at", "interval_s", "waiting", "running", "kv_use")
 """``received_at``: unix s (the control plane's clock); ``interval_s``: the agents' report interval
 (a report older than 3 of them is unknown to the gateway); ``waiting``/``running``: the engine's

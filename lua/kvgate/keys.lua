@@ -17,11 +17,21 @@ _M.CONTROL_PREFIX = "kvgate:control:" -- the control plane's state (nodes, event
 -- (kvgate.node_load): a hash per pool, field = node id, value = NODE_LOAD_FIELDS in order,
 -- space-separated, "-" for unknown: "<received_at> <interval_s> <waiting> <running> <kv_use>"
 _M.NODE_LOAD_PREFIX = "kvgate:load:"
+-- API keys (written by the control plane, read by kvgate.tenant): a hash per key under
+-- APIKEY_PREFIX .. sha256 hex of the secret {id, tenant, name, created, revoked "0"|"1",
+-- last_used}; the gateway only reads it and sets last_used
+_M.APIKEY_PREFIX = "kvgate:apikey:"
+_M.APIKEY_INDEX = "kvgate:apikeys" -- hash: key id -> sha256 hex (the control plane's listing)
 _M.NODE_LOAD_FIELDS = { "received_at", "interval_s", "waiting", "running", "kv_use" }
 
 --- node_load(pool) -> "kvgate:load:<pool>"
 function _M.node_load(pool)
     return _M.NODE_LOAD_PREFIX .. pool
+end
+
+--- apikey(digest) -> "kvgate:apikey:<sha256 hex of the secret>"
+function _M.apikey(digest)
+    return _M.APIKEY_PREFIX .. digest
 end
 
 --- resp(version, scope, digest) -> "kvgate:resp:v<N>:<scope>:<digest>" (scope already escaped)
