@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 AffinityKey = Literal["session", "user", "prefix"]
 AuthMode = Literal["off", "optional", "required"]
-Balancer = Literal["chash", "round_robin", "least_conn", "chash_bounded"]
+Balancer = Literal["chash", "round_robin", "least_conn", "chash_bounded", "prefix"]
 
 GRACE_OVER_READ_TIMEOUT_S = 300
 """Default reload grace beyond the read timeout (gateway.worker_shutdown_timeout_s when not set)."""
@@ -365,6 +365,42 @@ class OverloadConfig(_Strict):
         return self
 
 
+class PrefixIndexConfig(_Strict):
+    """The `prefix` balancer's approximate prefix index (lua/kvgate/prefix_index.lua, docs/gateway.md)."""
+
+    chunk_chars: int = Field(
+        2048, ge=64, le=65536,
+        description="Bytes of the canonical prompt per chunk; each chunk's hash covers the whole prompt before it "
+        "(vLLM's block hashes). A multiple of 8. Smaller: finer matches, more shared-dict entries and reads per "
+        "request.",
+    )
+    kv_capacity_tokens: int = Field(
+        1_048_576, ge=1,
+        description="KV-cache capacity of one node, in tokens (vLLM `num_gpu_blocks` × `block_size`, "
+        "`vllm:cache_config_info`). The gateway does not receive the agents' figure, so it is set here: the index "
+        "takes a chunk as evicted once the node was given this much newer prefix (its LRU).",
+    )
+    chars_per_token: float = Field(
+        4.0, gt=0, le=64,
+        description="Prompt bytes per token, to turn `kv_capacity_tokens` into bytes of prompt (about 4 for "
+        "English text and BPE tokenisers).",
+    )
+    ttl_s: int = Field(3600, ge=1, description="Entries older than this are forgotten (a restarted engine's, a removed node's).")
+    max_prompt_chars: int = Field(
+        1_048_576, ge=64,
+        description="The index covers at most this many bytes of a prompt (longer prompts match on that much); "
+        "at most 8192 chunks.",
+    )
+
+    @model_validator(mode="after")
+    def _check_chunks(self) -> "PrefixIndexConfig":
+        if self.chunk_chars % 8:
+            raise ValueError("chunk_chars must be a multiple of 8")
+        if self.max_prompt_chars // self.chunk_chars > 8192:
+            raise ValueError("max_prompt_chars / chunk_chars must be at most 8192 chunks")
+        return self
+
+
 class PoolConfig(_Strict):
     """A set of nodes serving the same models, with one balancer and one affinity-key order."""
 
@@ -379,6 +415,9 @@ class PoolConfig(_Strict):
         "(counted in `kvgate_route_spill_total`); with no node over its bound, exactly chash's placement. "
         "`chash`: consistent hashing of the route key on a ketama ring built from node ids "
         "(kvgate's Lua balancer: a node keeps its keys when its address changes) with weights; "
+        "`prefix`: the node holding the longest leading part of the prompt by the gateway's prefix index "
+        "(`prefix_index`), among the nodes `chash_bounded` would let it stay on; ties and no match as "
+        "`chash_bounded` (no `prefix_chars` window to tune); "
         "`round_robin` and `least_conn`: baselines.",
     )
     bound_factor: float = Field(
@@ -409,6 +448,7 @@ class PoolConfig(_Strict):
     nodes: list[NodeConfig] = Field(min_length=1, description="The pool's inference servers.")
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     overload: OverloadConfig = Field(default_factory=OverloadConfig)
+    prefix_index: PrefixIndexConfig = Field(default_factory=PrefixIndexConfig)
 
     @field_validator("name")
     @classmethod
