@@ -282,6 +282,14 @@ def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
                 "max_bytes": pool.warmup.capture_max_bytes,
             },
             "hot_window_s": pool.warmup.hot_window_s,
+            # the prefix balancer's index (lua/kvgate/prefix_index.lua): capacity in prompt bytes
+            "prefix_index": {
+                "chunk_chars": pool.prefix_index.chunk_chars,
+                "capacity_chars": round(pool.prefix_index.kv_capacity_tokens * pool.prefix_index.chars_per_token),
+                "chars_per_token": pool.prefix_index.chars_per_token,
+                "ttl_s": pool.prefix_index.ttl_s,
+                "max_chars": pool.prefix_index.max_prompt_chars,
+            },
         }
         for model in pool.models:
             models[model] = pool.name
