@@ -3,10 +3,14 @@
 --
 -- One counter per (pool, node) in lua_shared_dict kvgate_inflight, keyed by the label
 -- string ('{node="n1",pool="p"}'): +1 when the balancer picks the node for the request's
--- first try (kvgate.balancer.peers), moved to the next node by a failover, -1 in the log
--- phase of the same request (which also runs on a client abort), or in
+-- first try (kvgate.balancer.peers), moved to the next node by a failover, -1 when the node's
+-- answer ends: in the body filter at its last buffer (kvgate.phase.body_filter, before those
+-- bytes are written: the log phase runs after them, and only after a lingering close, so a
+-- client that sent its next request at once found the node still counted), else in the log
+-- phase of the same request (a client abort, an error nginx answers itself), or in
 -- @kvgate_upstream_error when every try failed (release_addr: the redirect gives the request
--- a fresh ngx.ctx unless the context was stashed). Cache hits never reach the balancer and
+-- a fresh ngx.ctx unless the context was stashed). A client abort is no node failure: the
+-- request ends (499) without a retry, so no failure mark and no breaker count. Cache hits never reach the balancer and
 -- are not counted. Shared dicts survive `nginx -s reload`, so the streams an old worker is
 -- still finishing keep counting and decrement the same key.
 --

@@ -101,18 +101,34 @@ function _M.header_filter()
     cache.header_filter(kctx.cache)
 end
 
---- body_filter(): mid-stream failure → SSE error event; the cache's copy of the body
+--- body_filter(): mid-stream failure → SSE error event; the cache's copy of the body; the
+-- node's in-flight count and load end with its answer's last byte
 function _M.body_filter()
     local kctx = kvctx.peek()
     if not kctx then
         return
     end
     local c = kctx.cache
-    local guard = kctx.log.guard
+    local log = kctx.log
+    local guard = log.guard
+    local eof
+    if log.inflight then
+        eof = ngx.arg[2]
+        if eof then
+            -- the node has answered: released here, before the last bytes are written. The log
+            -- phase runs after them (and after a lingering close): a client that sends its next
+            -- request at once found the node still busy, and least_conn sent that one elsewhere
+            inflight.finish(log)
+            load.finish(log)
+        end
+    end
     if not guard and not c.capture then
         return
     end
-    local chunk, eof = ngx.arg[1], ngx.arg[2]
+    local chunk = ngx.arg[1]
+    if eof == nil then
+        eof = ngx.arg[2]
+    end
     if guard then
         local cut
         chunk, eof, cut = stage_upstream.body_filter(kctx, chunk, eof)
