@@ -118,6 +118,24 @@ def parse_balancers(spec: str | None, known: list[str]) -> list[str]:
     return names
 
 
+def parse_peer_variant(spec: str) -> Peer:
+    """``--peer 'ROUTER:POLICY ARGS...'``: a row of ``ROUTER`` with ``POLICY`` and exactly ``ARGS``
+    (e.g. ``sglang-router:cache_aware --balance-abs-threshold 16``), to try other settings.
+    Raises click.BadParameter."""
+    import shlex
+
+    try:
+        words = shlex.split(spec)
+    except ValueError as exc:
+        raise click.BadParameter(f"{spec!r}: {exc}", param_hint="--peer") from None
+    router, _, policy = (words[0] if words else "").partition(":")
+    if router not in ROUTERS or not policy:
+        raise click.BadParameter(f"{spec!r}: expected ROUTER:POLICY [ARGS...] with ROUTER one of "
+                                 f"{', '.join(ROUTERS)}", param_hint="--peer")
+    session = any(p.session_header for p in PEERS if p.router == router and p.policy == policy)
+    return Peer(router, policy, tuple(words[1:]), why="--peer", session_header=session)
+
+
 def parse_peers(spec: str | None) -> list[Peer]:
     """``--peers``: comma-separated labels ``ROUTER:POLICY`` (or a bare ROUTER for all its rows) of
     :data:`PEERS`; ``none`` for no peer; None/empty = all. Raises click.BadParameter."""
@@ -371,6 +389,9 @@ def _run_one(console: Console, label: str, url: str, nodes, model: str, trace: l
 @click.option("--peers", "peers_spec", default=None,
               help="Comma-separated peer rows ROUTER:POLICY (or ROUTER), or 'none' [default: all that "
               "--peers-venv holds].")
+@click.option("--peer", "peer_variants", multiple=True, metavar="'ROUTER:POLICY ARGS...'",
+              help="One more peer row with exactly these settings (repeatable), e.g. "
+              "'sglang-router:cache_aware --balance-abs-threshold 16'.")
 @click.option("--peers-venv", type=click.Path(file_okay=False, path_type=Path), envvar="KVGATE_PEERS_VENV",
               default=None, help="A venv with sglang-router, smg and/or vllm-router (pip install sglang-router "
               "smg vllm-router) [env KVGATE_PEERS_VENV].")
@@ -385,7 +406,7 @@ def _run_one(console: Console, label: str, url: str, nodes, model: str, trace: l
 @click.option("--markdown", "md_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the table as markdown here.")
 def peers_command(trace_path: Path, policy_path: Path, limit: int, balancers: str | None, peers_spec: str | None,
-                  peers_venv: Path | None, speedup: float, concurrency: int, max_tokens_cap: int | None,
+                  peer_variants: tuple[str, ...], peers_venv: Path | None, speedup: float, concurrency: int, max_tokens_cap: int | None,
                   json_path: Path | None, md_path: Path | None) -> None:
     """Replay TRACE through kvgate (each balancer) and the Rust peer routers on the same engines.
 
@@ -400,10 +421,10 @@ def peers_command(trace_path: Path, policy_path: Path, limit: int, balancers: st
     from ..stack import Stack, StackError
     from .cli import _balancer_switch
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # log lines unwrapped (paths, commands)
     names = parse_balancers(balancers, balancers_of_schema())
-    peers = parse_peers(peers_spec)
-    if peers and peers_spec is not None and not peers_venv:
+    peers = parse_peers(peers_spec) + [parse_peer_variant(v) for v in peer_variants]
+    if peers and (peers_spec is not None or peer_variants) and not peers_venv:
         raise click.BadParameter("peer rows need --peers-venv (or KVGATE_PEERS_VENV)", param_hint="--peers")
     if peers and not peers_venv:
         console.print("(no --peers-venv: kvgate rows only)")
@@ -494,7 +515,8 @@ def peers_command(trace_path: Path, policy_path: Path, limit: int, balancers: st
             finally:
                 _stop(proc)
             note = settings + (f" + {SESSION_HEADER} per conversation" if peer.session_header else "")
-            result.rows.append(Row(peer.router, peer.policy, note, report))
+            policy_label = " ".join((peer.policy, *peer.settings)) if peer.why == "--peer" else peer.policy
+            result.rows.append(Row(peer.router, policy_label, note, report))
     except (ReplayError, ControlError) as exc:
         click.echo(f"error: {exc}", err=True)
         failed_start = True
