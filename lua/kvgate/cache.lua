@@ -47,12 +47,13 @@ local function cache_error(op, err, n)
         " failed (serving without the cache; next warning in ", WARN_INTERVAL_S, "s): ", err)
 end
 
---- lookup(cfg, c, req, endpoint, headers) -> cached completion JSON | nil
+--- lookup(cfg, c, req, endpoint, headers, scope) -> cached completion JSON | nil
 -- c: the request's kctx.cache; headers: ngx.req.get_headers() (every Cache-Control header
--- counts, not only the first; so does every value of each credential header).
+-- counts, not only the first; so does every value of each credential header); scope: the
+-- tenant's cache scope (kctx.tenant.scope; nil with gateway.auth off: cfg.tenant).
 -- Sets c.outcome (HIT|MISS|BYPASS), c.reason and, on a miss, c.key. The key (a digest of
 -- the whole request) is worked out only for a cacheable request.
-function _M.lookup(cfg, c, req, endpoint, headers)
+function _M.lookup(cfg, c, req, endpoint, headers, scope)
     c.outcome = "BYPASS"
     local ccfg = cfg.cache
     if not ccfg.enabled then
@@ -73,14 +74,17 @@ function _M.lookup(cfg, c, req, endpoint, headers)
     -- Entries are scoped to the caller's credential (one sha256 of every credential header
     -- sent), so a hit never answers a caller the engine would have refused, and
     -- X-Kvgate-Cache tells a caller only about its own requests. The values go no further.
+    -- With tenants (gateway.auth on), the tenant's scope (its own, or its cache group's) and
+    -- the credential headers left after the auth stage removed the tenant's key (every key of
+    -- one tenant shares its entries; another tenant never reaches them).
     local cred, kerr = cache_key.credential(headers, ccfg.credential_headers or DEFAULT_CREDENTIAL_HEADERS,
         ngx.var.args)
     local key
     if cred then
         -- the namespace version in force is the runtime's (pushed without a reload)
         local rt = config.runtime()
-        key, kerr = cache_key.key(req, endpoint, cfg.tenant, rt and rt.cache.namespace_version
-            or ccfg.namespace_version, cred)
+        key, kerr = cache_key.key(req, endpoint, scope or cfg.tenant,
+            rt and rt.cache.namespace_version or ccfg.namespace_version, cred)
     end
     if not key then
         cache_error("key", kerr)
@@ -141,7 +145,7 @@ end
 function _M.access(kctx, cfg)
     local r = kctx.req
     local c = kctx.cache
-    local entry = _M.lookup(cfg, c, r.parsed, r.endpoint, r.headers)
+    local entry = _M.lookup(cfg, c, r.parsed, r.endpoint, r.headers, kctx.tenant.scope)
     if entry then
         _M.serve(c, entry, r.parsed, r.endpoint)
     end

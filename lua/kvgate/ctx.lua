@@ -1,6 +1,8 @@
 -- The request context: one table, ngx.ctx.kvgate, with one sub-table per stage.
 --
 --   local kctx = require("kvgate.ctx").get()
+--   kctx.tenant    auth stage: id, scope (the cache scope), models (allowed set | nil = all);
+--                  empty with gateway.auth off
 --   kctx.req       request stage: endpoint, the parsed request, rejected (status of a refusal)
 --   kctx.route     route-key stage: key, kind, pool, fp (prefix fingerprint), endpoint, shared
 --   kctx.cache     cache stage: outcome (HIT|MISS|BYPASS), reason, key, capture state
@@ -34,6 +36,7 @@ local MAX_REF = 2 ^ 30
 
 local function new()
     return {
+        tenant = {},
         req = {},
         route = {},
         cache = {},

@@ -30,6 +30,8 @@ local body_reader = require "kvgate.body"
 local keys = require "kvgate.keys"
 local cache = require "kvgate.cache"
 local warm = require "kvgate.warm.sample"
+local stage_auth = require "kvgate.stage.auth"
+local tenant = require "kvgate.tenant"
 local stage_request = require "kvgate.stage.request"
 local stage_route = require "kvgate.stage.route"
 local stage_upstream = require "kvgate.stage.upstream"
@@ -53,7 +55,7 @@ local M = keys.METRICS
 local _M = {}
 
 -- the access phase's stages, in order (each: access(kctx, cfg))
-_M.ACCESS = { stage_request, stage_route, warm, cache }
+_M.ACCESS = { stage_auth, stage_request, stage_route, warm, cache }
 local ACCESS = _M.ACCESS
 local NACCESS = #ACCESS
 
@@ -80,6 +82,7 @@ function _M.init_worker()
     config.init_worker() -- the runtime's sync timer (every 0.2 s)
     balancer.init_worker()
     shutdown.start()
+    tenant.init_worker(config.get) -- API keys' last use, to Redis every few seconds
 end
 
 --- access(): the access stages in order; any of them may answer the request itself
@@ -280,10 +283,21 @@ function _M.models()
         ngx.header["Allow"] = "GET, HEAD"
         return errors.send(405, "Use GET for /v1/models", "method_not_allowed")
     end
+    -- the tenant's models only (gateway.auth on): the same key checks as a completion
+    local cfg = config.get()
+    local kctx = kvctx.get()
+    stage_auth.access(kctx, cfg)
+    local allowed = kctx.tenant.models
     ngx.header["Content-Type"] = "application/json"
     local data = {}
-    for i, m in ipairs(config.get().model_list) do
-        data[i] = { id = m, object = "model", created = 0, owned_by = "kvgate" }
+    for _, m in ipairs(cfg.model_list) do
+        if not allowed or allowed[m] then
+            data[#data + 1] = { id = m, object = "model", created = 0, owned_by = "kvgate" }
+        end
+    end
+    if #data == 0 then
+        -- cjson writes an empty table as an object
+        return ngx.print('{"object":"list","data":[]}')
     end
     ngx.print(cjson.encode({ object = "list", data = data }))
 end

@@ -9,6 +9,7 @@ import pytest
 from kvgate.control.plane import ApplyError, Conflict, NodeHasWork, NotFound
 from kvgate.control.report import ReportError
 from kvgate.control.states import InvalidTransition
+from kvgate.control.apikeys import ApiKeyError, UnknownKey
 from kvgate.control.store import StoreError
 from kvgate.policy import PolicyError
 from kvgate.policy.loader import PolicyIssue
@@ -33,6 +34,8 @@ CASES = [
     (ApplyError("nginx -t: bad listen"), 500, "server_error", "apply_failed", {}),
     (StoreError("Redis is unreachable: policy changes are refused"), 503, "server_error", "redis_unavailable", {}),
     (ValueError("limit must be an integer"), 400, "invalid_request_error", "bad_request", {}),
+    (UnknownKey("no API key 'key_0123456789ab'"), 404, "not_found_error", "api_key_not_found", {}),
+    (ApiKeyError("unknown tenant 'x'"), 400, "invalid_request_error", "invalid_api_key_request", {}),
 ]
 IDS = [type(c[0]).__name__ for c in CASES]
 

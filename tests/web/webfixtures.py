@@ -172,6 +172,10 @@ class FakePlane:
         self._call("invalidate_cache", source)
         return {"old": 1, "new": 2, "version": 2, "changed": True, "result": "pushed"}
 
+    def event(self, kind: Any, message: str, node: str | None = None, pool: str | None = None,
+              **data: Any) -> None:
+        self._call("event", str(kind), message)
+
 
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 

@@ -23,6 +23,7 @@ class _LazyGroup(click.Group):
         "bench": ("kvgate.bench.gateway", "bench_command"),
         "agent": ("kvgate.agent.cli", "agent_command"),
         "control": ("kvgate.control.cli", "control_command"),
+        "keys": ("kvgate.cli.keys", "keys_command"),
     }
 
     def list_commands(self, ctx):

@@ -114,6 +114,19 @@ class ControlClient:
         params = {"limit": limit, **({"node": node} if node else {}), **({"kind": kind} if kind else {})}
         return self._call("GET", "/api/v1/events", params=params)["events"]
 
+    def tenants(self) -> dict[str, Any]:
+        return self._call("GET", "/api/v1/tenants")
+
+    def keys(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        return self._call("GET", "/api/v1/keys", params={"tenant": tenant} if tenant else None)["keys"]
+
+    def create_key(self, tenant: str, name: str = "") -> dict[str, Any]:
+        """``{"key": record, "secret": "kvg-…"}``: the only time the secret is shown."""
+        return self._call("POST", "/api/v1/keys", json={"tenant": tenant, "name": name})
+
+    def revoke_key(self, key_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/api/v1/keys/{key_id}/revoke")
+
     def healthy(self) -> bool:
         try:
             return self.s.get(self.url + "/healthz", timeout=2).status_code == 200

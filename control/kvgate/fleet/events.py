@@ -20,6 +20,8 @@ class EventKind(StrEnum):
     POLICY_APPLIED = "policy_applied"
     POLICY_REJECTED = "policy_rejected"
     CACHE_INVALIDATED = "cache_invalidated"
+    APIKEY_CREATED = "apikey_created"
+    APIKEY_REVOKED = "apikey_revoked"
     RELOAD = "reload"
     """The gateway's static config was (re)loaded or nginx started (``result``)."""
     RELOAD_FAILED = "reload_failed"

@@ -29,6 +29,11 @@ PUT      /api/v1/policy                         apply (422 bad policy, 500 nginx
 GET      /api/v1/policy/versions                applied versions, newest first
 POST     /api/v1/policy/versions/<n>/rollback   apply version n again (``?force=true`` as for PUT)
 GET      /api/v1/events                         newest first; ``?node=&kind=&limit=&before=``
+GET      /api/v1/tenants                        the policy's tenants, ``gateway.auth``, key counts
+GET      /api/v1/keys                           API keys (records, never secrets); ``?tenant=``
+POST     /api/v1/keys                           ``{"tenant", "name"}`` → 201 ``{"key", "secret"}``: the
+                                               secret is in this answer only
+POST     /api/v1/keys/<id>/revoke               revoked within ``gateway.auth_cache_ttl_s``
 =======  =====================================  ==================================================
 """
 
@@ -39,6 +44,7 @@ import re
 from flask import Blueprint, Response, jsonify, redirect, request
 
 from ..control.report import check_report
+from ..fleet.events import EventKind
 from .auth import require_token
 from .errors import json_error
 from .state import services
@@ -179,6 +185,64 @@ def cache_invalidate():
     "result"}``; 503 ``redis_unavailable`` when the store cannot record it."""
     source = request.headers.get("X-Kvgate-Source", "API")[:100]
     return jsonify(services().invalidate_cache(source))
+
+
+# ---------------------------------------------------------------- tenants
+def _apikeys():
+    from ..control.apikeys import ApiKeys
+
+    return ApiKeys(services().store)
+
+
+def _tenant_ids() -> list[str]:
+    policy = services().policy
+    return [t.id for t in policy.tenants] if policy else []
+
+
+@bp.get("/tenants")
+def tenants():
+    """``{"auth": mode, "tenants": [{id, name, models (null = all), cache, cache_scope, keys, revoked}]}``."""
+    policy = services().policy
+    counts: dict[str, list[int]] = {}
+    for k in _apikeys().list():
+        c = counts.setdefault(k.tenant, [0, 0])
+        c[1 if k.revoked else 0] += 1
+    out = [{"id": t.id, "name": t.name or t.id, "models": t.models, "cache": t.cache,
+            "cache_scope": t.cache_scope, "keys": counts.get(t.id, [0, 0])[0],
+            "revoked": counts.get(t.id, [0, 0])[1]} for t in (policy.tenants if policy else [])]
+    return jsonify({"auth": policy.gateway.auth if policy else "off", "tenants": out})
+
+
+@bp.get("/keys")
+def api_keys():
+    tenant = request.args.get("tenant") or None
+    return jsonify({"keys": [k.to_json() for k in _apikeys().list(tenant)]})
+
+
+@bp.post("/keys")
+def create_api_key():
+    """``{"tenant": id, "name": text}`` → 201 ``{"key": record, "secret": "kvg-…"}`` (``no-store``)."""
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict) or not isinstance(body.get("tenant"), str):
+        raise ValueError('expected JSON {"tenant": "<tenant id>", "name": "<optional label>"}')
+    name = body.get("name") or ""
+    if not isinstance(name, str):
+        raise ValueError("name must be a string")
+    rec, secret = _apikeys().create(body["tenant"], name, tenants=_tenant_ids())
+    services().event(EventKind.APIKEY_CREATED, f"API key {rec.id} created for tenant {rec.tenant}"
+                     + (f" ({name})" if name else ""), key=rec.id, tenant=rec.tenant)
+    resp = jsonify({"key": rec.to_json(), "secret": secret})
+    resp.status_code = 201
+    resp.headers["Cache-Control"] = "no-store"
+    return resp
+
+
+@bp.post("/keys/<key_id>/revoke")
+def revoke_api_key(key_id: str):
+    rec = _apikeys().revoke(key_id)
+    services().event(EventKind.APIKEY_REVOKED, f"API key {rec.id} of tenant {rec.tenant} revoked",
+                     key=rec.id, tenant=rec.tenant)
+    return jsonify({"key": rec.to_json()})
 
 
 # ----------------------------------------------------------------- events

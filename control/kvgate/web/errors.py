@@ -20,6 +20,7 @@ from typing import Any
 from flask import Flask, Response, g, jsonify, render_template, request
 from flask_wtf.csrf import CSRFError
 
+from ..control.apikeys import ApiKeyError, UnknownKey
 from ..control.plane import ApplyError, Conflict, NodeHasWork, NotFound
 from ..control.report import ReportError
 from ..control.states import InvalidTransition
@@ -78,6 +79,8 @@ ERRORS: dict[type[BaseException], ErrorKind] = {
     ApplyError: ErrorKind(500, "server_error", "apply_failed", "Not applied",
                           lambda e: f"the gateway config was not applied; the running one keeps serving: {e}"),
     StoreError: ErrorKind(503, "server_error", "redis_unavailable", "Redis unavailable"),
+    UnknownKey: ErrorKind(404, "not_found_error", "api_key_not_found", "No such API key", _first_arg),
+    ApiKeyError: ErrorKind(400, "invalid_request_error", "invalid_api_key_request", "Not possible"),
     CSRFError: ErrorKind(400, "invalid_request_error", "csrf_failed", "Bad request", _csrf_message),
     ValueError: ErrorKind(400, "invalid_request_error", "bad_request", "Bad request"),
 }

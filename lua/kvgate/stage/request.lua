@@ -58,6 +58,11 @@ function _M.access(kctx, cfg)
     end
     local model = req.model
     local pool_name = cfg.models[model]
+    local allowed = kctx.tenant.models
+    if allowed and not allowed[model] then
+        -- the tenant may not use it: answered as an unknown model (other tenants' models stay unseen)
+        pool_name = nil
+    end
     if not pool_name then
         return errors.send(404, "The model `" .. model .. "` does not exist", "model_not_found", "model")
     end

@@ -1,0 +1,74 @@
+-- Stage "auth" (access, first: before the body is read, so an unauthenticated client costs
+-- no body read nor JSON decode): the request's tenant from its API key (kvgate.tenant).
+--   gateway.auth off       nothing (kctx.tenant stays empty: the anonymous cache scope)
+--   gateway.auth optional  no Authorization header -> the tenant `default`; a key must be valid
+--   gateway.auth required  a valid key, always
+-- Refusals, in OpenAI's format: 401 `invalid_api_key` (missing, malformed, unknown or revoked
+-- key, a key of a tenant the policy no longer has, a key in the query string), 503
+-- `auth_unavailable` (Redis unreachable and the key never seen valid by this worker). The
+-- key is never echoed nor logged. The Authorization header is removed before the request goes
+-- on: engines never see tenants' keys.
+--   kctx.tenant = {id = tenant id, scope = cache scope ("t.<id>" | "g.<group>"),
+--                  models = set of allowed models | nil (all)}
+local errors = require "kvgate.errors"
+local tenant = require "kvgate.tenant"
+
+local ngx = ngx
+local var = ngx.var
+local clear_header = ngx.req.clear_header
+
+local _M = {}
+
+local MISSING = "You didn't provide an API key. You need to provide your API key in an Authorization " ..
+    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+local INCORRECT = "Incorrect API key provided. Create keys with `kvgate keys create` or on the admin page."
+local MALFORMED = "The Authorization header is malformed: expected `Authorization: Bearer YOUR_KEY`."
+local REVOKED = "The API key provided has been revoked."
+local IN_QUERY = "API keys are not accepted in the query string (URLs end up in logs): send " ..
+    "`Authorization: Bearer YOUR_KEY` instead, and revoke the key you sent."
+local UNAVAILABLE = "The API key cannot be checked right now; retry in a few seconds."
+
+local function refuse(message)
+    ngx.header["WWW-Authenticate"] = 'Bearer realm="kvgate"'
+    return errors.send(401, message, "invalid_api_key")
+end
+
+--- access(kctx, cfg): sets kctx.tenant, or answers 401/503 and ends the request
+function _M.access(kctx, cfg)
+    local a = cfg.auth
+    if not a or a.mode == "off" then
+        return
+    end
+    if tenant.key_in_query(var.args) then
+        return refuse(IN_QUERY)
+    end
+    local token, why = tenant.bearer(ngx.req.get_headers()["authorization"])
+    local id
+    if token then
+        local terr
+        id, terr = tenant.resolve(cfg, token)
+        if not id then
+            if terr == "unavailable" then
+                ngx.header["Retry-After"] = "5"
+                return errors.send(503, UNAVAILABLE, "auth_unavailable", nil, "server_error")
+            end
+            return refuse(terr == "revoked" and REVOKED or INCORRECT)
+        end
+        clear_header("Authorization")
+    elseif why == "missing" and a.mode == "optional" then
+        id = a.default_tenant
+    else
+        return refuse(why == "missing" and MISSING or MALFORMED)
+    end
+    local t = cfg.tenants[id]
+    if not t then
+        -- a key whose tenant the policy no longer has
+        return refuse(INCORRECT)
+    end
+    local kt = kctx.tenant
+    kt.id = id
+    kt.scope = t.scope
+    kt.models = t.models
+end
+
+return _M
