@@ -114,7 +114,8 @@ def runtime_document(policy: Policy, runtime: Runtime | None = None) -> dict[str
     Shape (every pool and node of the policy, no others)::
 
         {"pools": {"<pool>": {"balancer": "chash" | "round_robin" | "least_conn" | "chash_bounded",
-                              "bound_factor": float > 1, "saturated_queue": int >= 0 (absent: none),
+                              "bound_factor": float > 1, "bound_load": "prefill_tokens" | "requests",
+                              "saturated_queue": int >= 0 (absent: none),
                               "nodes": {"<node id>": {"weight": int >= 0, "state": str,
                                                       "home_weight": int >= 1}}}},
          "cache": {"namespace_version": int >= 1}}
@@ -140,8 +141,8 @@ def runtime_document(policy: Policy, runtime: Runtime | None = None) -> dict[str
 
 def _bound_fields(pool: Any) -> dict[str, Any]:
     """The pool's chash_bounded fields as the runtime (and kvgate.json's defaults) carry them:
-    ``bound_factor``, and ``saturated_queue`` unless the policy has none (null)."""
-    out: dict[str, Any] = {"bound_factor": pool.bound_factor}
+    ``bound_factor``, ``bound_load``, and ``saturated_queue`` unless the policy has none (null)."""
+    out: dict[str, Any] = {"bound_factor": pool.bound_factor, "bound_load": pool.bound_load}
     if pool.saturated_queue is not None:
         out["saturated_queue"] = pool.saturated_queue
     return out
@@ -290,6 +291,8 @@ def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
                 "ttl_s": pool.prefix_index.ttl_s,
                 "max_chars": pool.prefix_index.max_prompt_chars,
             },
+            # failover, breakers, keyless requests (lua/kvgate/breaker.lua, balancer/peers.lua)
+            "failover": pool.failover.model_dump(),
         }
         for model in pool.models:
             models[model] = pool.name
@@ -300,6 +303,13 @@ def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
     tenants: dict[str, Any] = {}
     for t in policy.tenants:
         entry: dict[str, Any] = {"name": t.name or t.id, "scope": t.cache_scope}
+        lim = t.limits
+        limits = {k: v for k, v in (("rpm", lim.rpm), ("tpm", lim.tpm), ("concurrency", lim.concurrency),
+                                    ("session_rpm", lim.session_rpm),
+                                    ("key_rpm", lim.per_key.rpm if lim.per_key else None),
+                                    ("key_tpm", lim.per_key.tpm if lim.per_key else None)) if v is not None}
+        if limits:
+            entry["limits"] = limits  # absent: unlimited (no Redis call at all)
         if t.models is not None:
             entry["models"] = {m: True for m in t.models}  # absent: every model
         tenants[t.id] = entry
@@ -312,6 +322,12 @@ def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
                  "default_tenant": DEFAULT_TENANT},
         "tenants": tenants,
         "tenant_ids": sorted(tenants),
+        # lua/kvgate/limits.lua; a concurrency slot of a request whose gateway died frees after
+        # slot_ttl_s
+        "limits": {"on_redis_error": policy.limits.on_redis_error,
+                   "fallback_factor": policy.limits.fallback_factor,
+                   "default_max_tokens": policy.limits.default_max_tokens,
+                   "slot_ttl_s": max(600.0, 2 * gw.read_timeout_s)},
         "debug_headers": gw.debug_headers,
         "fallback_route_key": gw.fallback_route_key,
         "max_body_bytes": gw.max_body_bytes,
@@ -372,8 +388,8 @@ def lua_digest(lua_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-RUNTIME_DEFAULTS = ("pools.*.balancer", "pools.*.bound_factor", "pools.*.saturated_queue", "pools.*.nodes[].weight",
-                    "cache.namespace_version")
+RUNTIME_DEFAULTS = ("pools.*.balancer", "pools.*.bound_factor", "pools.*.bound_load", "pools.*.saturated_queue",
+                    "pools.*.nodes[].weight", "cache.namespace_version")
 """Fields of kvgate.json that are only the runtime's defaults: left out of :func:`static_digest`."""
 
 
@@ -385,6 +401,7 @@ def static_identity(data: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(pool, dict):
             pool.pop("balancer", None)
             pool.pop("bound_factor", None)
+            pool.pop("bound_load", None)
             pool.pop("saturated_queue", None)
             for node in pool.get("nodes") or []:
                 if isinstance(node, dict):

@@ -66,3 +66,24 @@ pools:
 def test_bad_tenants_are_refused_at_the_field(auth, tenants, expected):
     found = issues(auth, tenants)
     assert any(i.startswith(expected) for i in found), found
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "ten", "true", "1.5", '"60"'])
+def test_a_bad_limit_is_refused_at_its_path(value):
+    found = issues("required", f"  - {{id: a, limits: {{rpm: {value}}}}}")
+    assert any(i.startswith("tenants[0].limits.rpm:") for i in found), found
+
+
+def test_limits_render_only_what_is_set():
+    p = policy("required", """
+  - {id: a, limits: {rpm: 60, tpm: 1000, concurrency: 4, session_rpm: 120, per_key: {rpm: 10}}}
+  - {id: b}
+""")
+    cfg = data_config(p)
+    assert cfg["tenants"]["a"]["limits"] == {"rpm": 60, "tpm": 1000, "concurrency": 4, "session_rpm": 120,
+                                             "key_rpm": 10}
+    assert "limits" not in cfg["tenants"]["b"]
+    assert cfg["limits"]["on_redis_error"] == "allow" and cfg["limits"]["default_max_tokens"] == 1024
+    with pytest.raises(PolicyError) as info:
+        parse_policy_text(BASE.format(auth="required", tenants="  - {id: a}") + "limits: {on_redis_error: maybe}\n")
+    assert any(str(i).startswith("limits.on_redis_error:") for i in info.value.issues)

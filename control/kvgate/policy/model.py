@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -401,6 +401,65 @@ class PrefixIndexConfig(_Strict):
         return self
 
 
+class FailoverConfig(_Strict):
+    """Failover, the nodes' circuit breakers and requests without a route key (lua/kvgate/breaker.lua,
+    lua/kvgate/score.lua, docs/gateway.md "Failover and circuit breakers")."""
+
+    breaker_failures: int = Field(
+        1, ge=1, le=1000,
+        description="Failed tries in a row (connection error, timeout, 502/503 passed on, or an answer with a "
+        "status in `failure_statuses`; never a client abort) that open a node's breaker: the node is skipped by "
+        "every worker. 1 (the default) is nginx's `max_fails=1`.",
+    )
+    breaker_open_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="How long an opened breaker skips its node (seconds; nginx's `fail_timeout`). Then one trial "
+        "request (half-open): its answer closes the breaker, its failure opens it again for twice as long.",
+    )
+    breaker_open_max_s: float = Field(
+        60.0, gt=0, le=86400,
+        description="The longest open time of the doubling (the exponential backoff of the trials to a node that "
+        "keeps failing), seconds; at least `breaker_open_s`.",
+    )
+    failure_statuses: list[int] = Field(
+        default_factory=lambda: [500, 502, 503, 504],
+        description="Statuses of a node's answer that count as a failure of the node (each 500-599). Tries nginx "
+        "passes on to another node (502, 503, errors, timeouts) always count.",
+    )
+    keyless: Literal["p2c", "round_robin"] = Field(
+        "p2c",
+        description="Requests without a route key under `chash`: `p2c` (the default), the better of two nodes "
+        "drawn at random by weight, by a load score (the engine's reported queue, else the gateway's requests in "
+        "flight; the node's recent time to first byte; its KV-cache use); `round_robin`: smooth weighted round "
+        "robin.",
+    )
+    latency_alpha: float = Field(
+        0.3, gt=0, le=1,
+        description="Weight of each new sample in the per-node average of the time to first byte "
+        "(an exponentially weighted moving average).",
+    )
+    kv_weight: float = Field(
+        1.0, ge=0, le=100,
+        description="How much a node's KV-cache use (0..1) raises its load score: score × (1 + kv_weight × use).",
+    )
+
+    @field_validator("failure_statuses")
+    @classmethod
+    def _check_statuses(cls, v: list[int]) -> list[int]:
+        bad = [s for s in v if not 500 <= s <= 599]
+        if bad:
+            raise ValueError(f"failure_statuses must be 5xx statuses, got {bad}")
+        if len(set(v)) != len(v):
+            raise ValueError("failure_statuses must not repeat")
+        return v
+
+    @model_validator(mode="after")
+    def _check_open(self) -> "FailoverConfig":
+        if self.breaker_open_max_s < self.breaker_open_s:
+            raise ValueError("breaker_open_max_s must be at least breaker_open_s")
+        return self
+
+
 class PoolConfig(_Strict):
     """A set of nodes serving the same models, with one balancer and one affinity-key order."""
 
@@ -426,6 +485,12 @@ class PoolConfig(_Strict):
         "is at most c × the pool's (plus the request's) × its share of the serving weights. Closer to 1 evens "
         "load out and spills more keys off their cache-warm homes; larger keeps more affinity. Must be > 1.",
     )
+    bound_load: Literal["prefill_tokens", "requests"] = Field(
+        "prefill_tokens",
+        description="`chash_bounded`'s load: `prefill_tokens` (each request in flight counts its estimated prompt "
+        "tokens, request body bytes ÷ 4; an engine's reported queue counts waiting × the mean request) or "
+        "`requests` (each request in flight counts 1, the queue its waiting requests: the paper's balls).",
+    )
     saturated_queue: int | None = Field(
         16, ge=0, le=1_000_000,
         description="`chash_bounded`: a node whose engine last reported more than this many waiting requests "
@@ -449,6 +514,7 @@ class PoolConfig(_Strict):
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     overload: OverloadConfig = Field(default_factory=OverloadConfig)
     prefix_index: PrefixIndexConfig = Field(default_factory=PrefixIndexConfig)
+    failover: FailoverConfig = Field(default_factory=FailoverConfig)
 
     @field_validator("name")
     @classmethod
@@ -597,6 +663,51 @@ class DrainConfig(_Strict):
     )
 
 
+PositiveInt = Annotated[int, Field(gt=0, strict=True)]
+"""A limit: a whole number above 0 (``true``, ``"10"`` and ``1.5`` are refused, not coerced)."""
+
+
+class KeyLimits(_Strict):
+    """Limits of each API key of a tenant, on top of the tenant's own."""
+
+    rpm: PositiveInt | None = Field(None, description="Requests per minute of each key.")
+    tpm: PositiveInt | None = Field(None, description="Tokens per minute of each key (prompt + completion).")
+
+
+class TenantLimits(_Strict):
+    """A tenant's limits, shared by every gateway on the same Redis (token buckets that hold a
+    minute's worth: a burst of the whole minute is allowed, then the rate). Omitted = unlimited."""
+
+    rpm: PositiveInt | None = Field(None, description="Requests per minute.")
+    tpm: PositiveInt | None = Field(
+        None, description="Tokens per minute: the prompt estimate + `max_tokens` (or `limits.default_max_tokens`) "
+        "are reserved at admission and settled to the answer's `usage`.",
+    )
+    concurrency: PositiveInt | None = Field(None, description="Requests in flight at once.")
+    session_rpm: PositiveInt | None = Field(
+        None, description="Requests per minute of each session (the route key's session id): a hot "
+        "conversation is slowed down instead of taking its node.",
+    )
+    per_key: KeyLimits | None = Field(None, description="Limits of each API key of the tenant.")
+
+
+class LimitsConfig(_Strict):
+    """How the gateways enforce tenants' limits (docs/tenants.md, Limits)."""
+
+    on_redis_error: Literal["allow", "deny"] = Field(
+        "allow", description="Redis unreachable: `allow` admits under each gateway's own fallback limit "
+        "(`fallback_factor` × the limit, counted in a shared dict), `deny` answers 429.",
+    )
+    fallback_factor: float = Field(
+        1.0, gt=0, le=100, description="Each gateway's share of a limit while Redis is unreachable "
+        "(1 = the whole limit per gateway).",
+    )
+    default_max_tokens: int = Field(
+        1024, ge=1, strict=True, description="Completion tokens reserved for a request without `max_tokens` "
+        "(settled to its `usage` when it ends).",
+    )
+
+
 class TenantConfig(_Strict):
     """A tenant: who a request is from (its API key's tenant), what it may use, whose cached
     answers it may receive (docs/tenants.md)."""
@@ -613,6 +724,7 @@ class TenantConfig(_Strict):
         "every tenant of the same `cache_group`.",
     )
     cache_group: str | None = Field(None, description="The group whose cache a `shared` tenant uses.")
+    limits: TenantLimits = Field(default_factory=TenantLimits)
 
     @field_validator("id", "cache_group")
     @classmethod
@@ -653,6 +765,7 @@ class Policy(_Strict):
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     ramp: RampConfig = Field(default_factory=RampConfig)
     drain: DrainConfig = Field(default_factory=DrainConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
     tenants: list[TenantConfig] = Field(
         default_factory=list, description="Tenants (with `gateway.auth` optional or required); "
         "`optional` needs one with id `default`.",
