@@ -13,7 +13,7 @@ DEMO_SPEEDUP ?= 10
 
 help:
 	@echo "make setup  install Debian packages and the Python venv (idempotent)"
-	@echo "make demo   start the demo stack and replay $(DEMO_REQUESTS) trace requests (round robin vs chash)"
+	@echo "make demo   start the demo stack and replay $(DEMO_REQUESTS) trace requests (round robin, chash, chash_bounded)"
 	@echo "make test   run the test suite"
 	@echo "make down   stop the demo stack"
 	@echo "make screenshots  retake the admin page's screenshots in docs/images"
@@ -28,7 +28,7 @@ demo: setup
 	@start=$$(date +%s); \
 	$(KVGATE) up $(DEMO_POLICY) && \
 	$(KVGATE) replay "$(TRACE)" --requests $(DEMO_REQUESTS) --speedup $(DEMO_SPEEDUP) \
-	  --policies round_robin,chash --json demo-report.json && \
+	  --policies round_robin,chash,chash_bounded --json demo-report.json && \
 	echo && $(KVGATE) status && \
 	echo "make demo took $$(( $$(date +%s) - start )) s; the stack keeps running (stop it with 'make down')" && \
 	echo "admin page: http://$$($(VENV)/bin/python -c 'import sys; from kvgate.policy import load_policy; \

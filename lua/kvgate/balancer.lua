@@ -47,7 +47,7 @@ local instances = {} -- pool name -> instance (this worker; b.impl, b.prt)
 -- give keys the same homes (every home weight), with the same bound (chash_bounded's fields)
 local function same(a, b)
     if not a or not b or a.balancer ~= b.balancer or a.bound_factor ~= b.bound_factor
-        or a.saturated_queue ~= b.saturated_queue then
+        or a.saturated_queue ~= b.saturated_queue or a.bound_load ~= b.bound_load then
         return false
     end
     for id, n in pairs(a.nodes) do

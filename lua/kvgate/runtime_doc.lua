@@ -19,6 +19,8 @@ _M.HASHES_KEY = { chash = true, chash_bounded = true, prefix = true }
 -- a pool's bound_factor (chash_bounded's c): > 1 and at most this
 _M.MAX_BOUND_FACTOR = 100
 _M.MAX_SATURATED_QUEUE = 1000000
+-- what chash_bounded counts as a node's load (kvgate.balancer.chash_bounded)
+_M.BOUND_LOADS = { prefill_tokens = true, requests = true }
 -- the largest nginx-scale weight a push may carry: policy base 10 × WEIGHT_SCALE 100 ×
 -- capacity 4 is 4000; a chash node has 160 points per unit, so this bounds a ring's memory
 _M.MAX_WEIGHT = 10000
@@ -60,7 +62,8 @@ end
 --- check_runtime(doc, cfg) -> true | nil, message, param
 -- doc: a decoded POST body (or runtime.json); cfg: the static config. Every pool and node of
 -- cfg must be present, and nothing else: {pools = {[pool] = {balancer = <known name>,
--- bound_factor = <number in (1, MAX_BOUND_FACTOR], optional>, saturated_queue = <integer
+-- bound_factor = <number in (1, MAX_BOUND_FACTOR], optional>, bound_load = <"prefill_tokens" |
+-- "requests", optional>, saturated_queue = <integer
 -- 0..MAX_SATURATED_QUEUE, optional: absent = no saturation> (chash_bounded's; other
 -- balancers ignore them), nodes = {[id] = {weight = <integer 0..MAX_WEIGHT>, state = <non-empty string>,
 -- home_weight = <integer 1..MAX_WEIGHT, optional: the weight on the home ring, see
@@ -95,8 +98,8 @@ function _M.check(doc, cfg)
         if not is_object(p) then
             return nil, at .. " must be an object", at
         end
-        msg, param = only(p, { balancer = true, nodes = true, bound_factor = true, saturated_queue = true },
-            at .. ".")
+        msg, param = only(p, { balancer = true, nodes = true, bound_factor = true, bound_load = true,
+            saturated_queue = true }, at .. ".")
         if msg then
             return nil, msg, param
         end
@@ -108,6 +111,9 @@ function _M.check(doc, cfg)
         if bf ~= nil and (type(bf) ~= "number" or not (bf > 1 and bf <= _M.MAX_BOUND_FACTOR)) then
             return nil, at .. ".bound_factor must be a number > 1 and <= " .. _M.MAX_BOUND_FACTOR,
                 at .. ".bound_factor"
+        end
+        if p.bound_load ~= nil and not _M.BOUND_LOADS[p.bound_load] then
+            return nil, at .. ".bound_load must be prefill_tokens or requests", at .. ".bound_load"
         end
         if p.saturated_queue ~= nil and not is_int(p.saturated_queue, _M.MAX_SATURATED_QUEUE) then
             return nil, at .. ".saturated_queue must be an integer from 0 to " .. _M.MAX_SATURATED_QUEUE,
@@ -180,7 +186,8 @@ function _M.base(cfg)
             nodes[tostring(n.id)] = { weight = w, state = n.state or (w > 0 and "active" or "down") }
         end
         pools[name] = { balancer = pool.base_balancer or pool.balancer, nodes = nodes,
-                        bound_factor = tonumber(pool.bound_factor), saturated_queue = tonumber(pool.saturated_queue) }
+                        bound_factor = tonumber(pool.bound_factor), saturated_queue = tonumber(pool.saturated_queue),
+                        bound_load = pool.bound_load }
     end
     return { pools = pools, cache = { namespace_version = tonumber(cfg.cache.namespace_version) or 0 } }
 end

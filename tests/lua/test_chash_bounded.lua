@@ -91,28 +91,27 @@ end
 local function total() return load.get(load.total_key("p")) end
 local function on(id) return load.get(load.key("p", id)) end
 
-H.test("eligible: load + cost <= c x (total + cost) x w / W, rounded up to whole requests", function()
+H.test("eligible: load < c x (total + cost) x w / W (the paper's ceil rule for whole balls)", function()
     -- 4 equal nodes, c 1.25: a node may hold 1.25 x a quarter of the pool's work
     H.truthy(cb.eligible(0, 100, 0, 1.25, 1, 4), "empty pool: the first request fits its home")
     H.truthy(not cb.eligible(100, 100, 100, 1.25, 1, 4), "ceil(1.25 x 2 / 4) = 1 request: a second spills")
     -- equal requests are the paper's balls: j + 1 <= ceil(c (m + 1) / n)
-    for m = 0, 40 do
-        for j = 0, m do
-            H.eq(cb.eligible(j * 100, 100, m * 100, 1.25, 1, 4), j + 1 <= math.ceil(1.25 * (m + 1) / 4),
-                "m " .. m .. " j " .. j)
+    for _, c in ipairs({ 1.1, 1.25, 1.5, 2 }) do
+        for m = 0, 40 do
+            for j = 0, m do
+                H.eq(cb.eligible(j * 100, 100, m * 100, c, 1, 4), j + 1 <= math.ceil(c * (m + 1) / 4),
+                    "c " .. c .. " m " .. m .. " j " .. j)
+            end
         end
     end
-    H.truthy(cb.eligible(150, 100, 900, 1.25, 1, 4)) -- 250 <= 100 x ceil(3.125) = 400
-    H.truthy(not cb.eligible(350, 100, 900, 1.25, 1, 4)) -- 450 > 400
-    H.truthy(cb.eligible(300, 100, 900, 1.25, 1, 4)) -- at the cap: eligible (<=)
+    H.truthy(cb.eligible(300, 100, 900, 1.25, 1, 4)) -- 300 < 312.5
+    H.truthy(not cb.eligible(320, 100, 900, 1.25, 1, 4))
     -- weights: a node of weight 3 in W = 4 may hold 3/4 x c of it
-    H.truthy(cb.eligible(900, 100, 900, 1.25, 3, 4)) -- 1000 <= 100 x ceil(9.375)
-    H.truthy(not cb.eligible(1000, 100, 900, 1.25, 3, 4))
-    -- a big request on an idle node: taken (one request per node at least)
+    H.truthy(cb.eligible(930, 100, 900, 1.25, 3, 4)) -- 930 < 937.5
+    H.truthy(not cb.eligible(940, 100, 900, 1.25, 3, 4))
+    -- a big request on an idle or lightly loaded home: taken (judged by what the node holds)
     H.truthy(cb.eligible(0, 10000, 500, 1.25, 1, 4))
-    -- cost 0 (all held): the continuous bound
-    H.truthy(cb.eligible(300, 0, 1000, 1.25, 1, 4)) -- 300 <= 312.5
-    H.truthy(not cb.eligible(320, 0, 1000, 1.25, 1, 4))
+    H.truthy(cb.eligible(400, 10000, 1000, 1.25, 1, 4))
 end)
 
 H.test("no load: every key on chash's node; the same homes", function()
@@ -245,6 +244,18 @@ H.test("bound_factor must be > 1; a new runtime keeps the ring", function()
     H.eq(b.c, 2)
     local b2 = assert(cb.new(p2, prt2, b))
     H.truthy(b2.ring.hashes == b.ring.hashes, "same points reused")
+end)
+
+H.test("bound_load requests: every request counts 1, whatever its size", function()
+    reset()
+    local p, prt = pool({ 100, 100 }, { bound_load = "requests" })
+    local b = assert(cb.new(p, prt))
+    local _, k1 = request(cb, b, "k1", 40000)
+    local _, k2 = request(cb, b, "k2", 400)
+    H.eq(total(), 2)
+    load.finish(k1.log)
+    load.finish(k2.log)
+    H.eq(total(), 0)
 end)
 
 H.done()

@@ -286,10 +286,12 @@ def test_runtime_document_shape() -> None:
     ]})
     assert runtime_document(p) == {
         "pools": {
-            "p1": {"balancer": "chash_bounded", "bound_factor": 1.25, "saturated_queue": 16,
+            "p1": {"balancer": "chash_bounded", "bound_factor": 1.25, "bound_load": "prefill_tokens",
+                   "saturated_queue": 16,
                    "nodes": {"a": {"weight": 300, "state": "active", "home_weight": 300},
                              "b": {"weight": 100, "state": "active", "home_weight": 100}}},
-            "p2": {"balancer": "round_robin", "bound_factor": 1.25, "saturated_queue": 16,
+            "p2": {"balancer": "round_robin", "bound_factor": 1.25, "bound_load": "prefill_tokens",
+                   "saturated_queue": 16,
                    "nodes": {"c": {"weight": 100, "state": "active", "home_weight": 100}}},
         },
         "cache": {"namespace_version": 3},
@@ -299,7 +301,8 @@ def test_runtime_document_shape() -> None:
     doc = runtime_document(p, rt)
     assert doc["pools"]["p1"]["nodes"] == {"a": {"weight": 75, "state": "ramping", "home_weight": 75},
                                            "b": {"weight": 0, "state": "draining", "home_weight": 100}}
-    assert doc["pools"]["p2"] == {"balancer": "least_conn", "bound_factor": 1.25, "saturated_queue": 16,
+    assert doc["pools"]["p2"] == {"balancer": "least_conn", "bound_factor": 1.25, "bound_load": "prefill_tokens",
+                                  "saturated_queue": 16,
                                   "nodes": {"c": {"weight": 100, "state": "active", "home_weight": 100}}}
     # saturated_queue null: left out (the gateway then never skips a node for its queue)
     p3 = parse_policy({"version": 1, "pools": [{"name": "p1", "models": ["m1"], "bound_factor": 1.1,

@@ -1,4 +1,4 @@
-"""``python -m kvgate.bench.balancer``: what the Lua ``chash`` balancer costs per request.
+"""``python -m kvgate.bench.balancer``: what the Lua ``chash`` and ``chash_bounded`` balancers cost per request.
 
 Two measurements, printed as one table:
 
@@ -10,8 +10,10 @@ Two measurements, printed as one table:
   small ``access_by_lua_block`` that leaves the key where kvgate's route stage does, and the
   in-flight count where the gateway keeps it (``/native`` from the response headers, as kvgate
   counted before the balancer layer; ``/lua`` at the balancer's pick; both released in the
-  log phase). ``wrk`` sends
-  a new session key with every request and alternates between the two for ``--rounds``
+  log phase), and ``/bounded`` through ``kvgate.balancer.chash_bounded`` on the same ring
+  (its load taken at the pick from ``kvgate_load``, released in the log phase; a GET has no
+  body: every request is 1 estimated token). ``wrk`` sends
+  a new session key with every request and alternates between the three for ``--rounds``
   rounds of ``--seconds`` each; the table gives the median requests/s of each and the
   nginx worker's CPU time per request (``/proc/PID/stat``; far steadier than requests/s on a
   shared machine), and the difference of the two: the Lua balancer's cost per request.
@@ -102,6 +104,10 @@ http {{
     lua_shared_dict kvgate_state 1m;
     # the balancer counts each request on its node here (kvgate.inflight), as in the gateway
     lua_shared_dict kvgate_inflight 1m;
+    # chash_bounded's in-flight prefill tokens, the engines' reports, its spill counter
+    lua_shared_dict kvgate_load 1m;
+    lua_shared_dict kvgate_node_load 1m;
+    lua_shared_dict kvgate_metrics 1m;
 {http_body}
 }}
 """
@@ -116,6 +122,7 @@ def _conf(lua_dir: Path, listen: int, backends: list[int], workers: int) -> str:
     init_by_lua_block {{
         local chash = require "kvgate.balancer.chash"
         BENCH_POOL = assert(chash.new({{ name = "bench", nodes = {{ {nodes} }} }}))
+        BENCH_BOUNDED = assert(require("kvgate.balancer.chash_bounded").new({{ name = "bench", nodes = {{ {nodes} }} }}))
     }}
     upstream native {{
         hash $kvgate_route_key consistent;
@@ -126,6 +133,13 @@ def _conf(lua_dir: Path, listen: int, backends: list[int], workers: int) -> str:
         server 0.0.0.1;
         balancer_by_lua_block {{
             require("kvgate.balancer.chash").balance(BENCH_POOL)
+        }}
+        keepalive 64;
+    }}
+    upstream bounded {{
+        server 0.0.0.1;
+        balancer_by_lua_block {{
+            require("kvgate.balancer.chash_bounded").balance(BENCH_BOUNDED)
         }}
         keepalive 64;
     }}
@@ -158,6 +172,15 @@ def _conf(lua_dir: Path, listen: int, backends: list[int], workers: int) -> str:
             proxy_pass http://native;
         }}
         location = /lua {{ proxy_pass http://lua; }}
+        location = /bounded {{
+            # the gateway's log phase: the in-flight count and the prefill tokens released
+            log_by_lua_block {{
+                local log = require("kvgate.ctx").get().log
+                require("kvgate.inflight").finish(log)
+                require("kvgate.balancer.load").finish(log)
+            }}
+            proxy_pass http://bounded;
+        }}
     }}""")
 
 
@@ -208,7 +231,7 @@ def nginx_side_by_side(rounds: int, seconds: float, connections: int, threads: i
         try:
             time.sleep(0.5)
             pids = _workers(prefix)
-            out: dict[str, list[tuple[float, float]]] = {"native": [], "lua": []}
+            out: dict[str, list[tuple[float, float]]] = {"native": [], "lua": [], "bounded": []}
             for name in out:  # warm both (connections, JIT)
                 _wrk(f"http://127.0.0.1:{listen}/{name}", 1, connections, threads, script, pids)
             for _ in range(rounds):
@@ -247,11 +270,14 @@ def main(argv: list[str] | None = None) -> int:
         cpu = {k: statistics.median(c for _, c in v) for k, v in res.items()}
         print(f"nginx, {args.rounds} alternating rounds of {args.seconds:g} s, wrk -t{args.threads} "
               f"-c{args.connections}, {args.workers} worker(s), {os.cpu_count()} CPUs (medians):")
-        for k, label in (("native", "native hash consistent"), ("lua", "Lua chash")):
+        for k, label in (("native", "native hash consistent"), ("lua", "Lua chash"),
+                         ("bounded", "Lua chash_bounded")):
             print(f"  {label:<23} {rps[k]:8.0f} req/s  {cpu[k]:6.1f} us worker CPU/request   "
                   f"rounds {[round(r) for r, _ in res[k]]}")
         print(f"  Lua/native: {rps['lua'] / rps['native']:.3f} x the requests/s, "
               f"{cpu['lua'] - cpu['native']:+.1f} us worker CPU per request")
+        print(f"  chash_bounded/native: {rps['bounded'] / rps['native']:.3f} x the requests/s, "
+              f"{cpu['bounded'] - cpu['native']:+.1f} us worker CPU per request")
     else:
         print("wrk or nginx missing: skipping the nginx comparison (apt-get install wrk)", file=sys.stderr)
     print("ring.find under luajit (4 nodes):")

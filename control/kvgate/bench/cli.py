@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+import typing
 from pathlib import Path
 
 import click
@@ -16,11 +17,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..policy import PolicyError, load_policy
+from ..policy.model import Balancer
 from .replay import PolicyReport, ReplayError, build_report, compute_ceiling, pooled_capacity, \
     reset_prefix_caches, scrape_engine, send_trace, wait_engines_idle
 from .trace import load_trace
 
-BALANCERS = ("chash", "round_robin", "least_conn")
+BALANCERS: tuple[str, ...] = typing.get_args(Balancer)
+"""Every balancer the policy schema accepts (``kvgate.policy.model.Balancer``)."""
 
 
 def _fmt_tokens(n: float) -> str:

@@ -5,18 +5,23 @@
 --   * taking traffic, not tried by this request, not marked failed (as chash);
 --   * not saturated: its engine's last reported queue (`waiting`, kvgate.node_load) is at
 --     most the pool's saturated_queue (unknown or stale reports never saturate);
---   * under its bound: load(node) + cost <= cap, cap = c × (total + cost) × w(node) / W rounded
---     up to a whole number of this request's cost (the paper's ceil(c × (m + 1) / n) in balls
---     of this request's size: with equal requests exactly the paper's rule; a node may always
---     take a request when it holds none, whatever its size)
+--   * under its bound: load(node) < c × (total + cost) × w(node) / W
+--     the paper's rule: with m balls placed, a node holding j takes the next one while
+--     j + 1 <= ceil(c × (m + 1) / n), which for whole j is j < c × (m + 1) / n; with requests of
+--     unequal sizes the node is judged by what it holds before this one (a 40k-token prompt is
+--     not refused by its idle home for its own size; `load + cost <= c × (total + cost) ...`
+--     without the ceiling spilled 23 % of the demo's requests and lost a third of chash's
+--     hits: docs/benchmarks.md)
 --     c     the pool's bound_factor (> 1; the runtime's, default BOUND_FACTOR)
---     load  the node's in-flight prefill work: the estimated prompt tokens of the requests
+--     load  (bound_load "prefill_tokens", the default) the node's in-flight prefill work: the
+--           estimated prompt tokens of the requests
 --           routed to it and not yet ended (kvgate.balancer.load, all workers), plus its
 --           engine's reported queue converted to tokens: waiting × the pool's mean estimated
 --           request (an average over this worker's recent picks)
 --     total the pool's in-flight prefill work (the same two terms over the pool)
 --     cost  this request's estimated prompt tokens (load.estimate of its body's length),
 --           less what the node already holds of the prompt (the prefix-index hook: held())
+--     (bound_load "requests": every request costs 1 and a queue counts its waiting requests)
 --     w, W  the node's serving weight, the sum of the pool's serving weights.
 -- With no node over its bound (and none saturated), every key lands where chash puts it.
 -- Some node is always under its bound (c > 1); when every node is skipped (all failed,
@@ -53,7 +58,6 @@ local estimate = load.estimate
 local ipairs = ipairs
 local tonumber = tonumber
 local huge = math.huge
-local ceil = math.ceil
 
 local _M = {}
 
@@ -75,17 +79,12 @@ local function dict()
 end
 
 --- eligible(load, cost, total, c, w, W) -> true when a node of serving weight w with `load`
--- in flight may take a request of `cost` (PURE): load + cost <= cap, cap = c × (total + cost)
--- × w / W rounded up to a multiple of cost (cost 0: not rounded)
+-- in flight may take a request of `cost` (PURE): load < c × (total + cost) × w / W
 local function eligible(l, cost, total, c, w, W)
     if W <= 0 then
         return true
     end
-    local cap = c * (total + cost) * w / W
-    if cost > 0 then
-        cap = cost * ceil(cap / cost)
-    end
-    return l + cost <= cap
+    return l < c * (total + cost) * w / W
 end
 _M.eligible = eligible
 
@@ -110,6 +109,7 @@ function _M.new(pool, prt, prev)
     end
     b.c = c
     b.sat = tonumber(prt and prt.saturated_queue) or huge
+    b.requests = prt ~= nil and prt.bound_load == "requests"
     local W = 0
     for _, node in ipairs(b.nodes) do
         node.load_key = load.key(pool.name, node.id)
@@ -125,13 +125,17 @@ function _M.new(pool, prt, prev)
 end
 
 --- start(b, st, kctx): the key's point (peers.start), the request's estimated prompt tokens
--- (st.cost: its body's length, else Content-Length on a bare nginx), the holder of its load
--- (kctx.log) and the prefix hook's discounts (st.held)
+-- (st.cost: its body's length, else Content-Length on a bare nginx; 1 for bound_load
+-- "requests"), the holder of its load (kctx.log) and the prefix hook's discounts (st.held)
 function _M.start(b, st, kctx)
     peers.start(b, st, kctx)
+    st.holder = kctx.log
+    if b.requests then
+        st.cost = 1
+        return
+    end
     local body = kctx.req.body
     st.cost = estimate(body and #body or ngx.var.content_length)
-    st.holder = kctx.log
     st.held = _M.held(b, st, kctx)
 end
 
