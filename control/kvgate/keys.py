@@ -62,6 +62,8 @@ METRICS: dict[str, str] = {
     "upstream_inflight": "kvgate_upstream_inflight",
     "upstream_load": "kvgate_upstream_load_tokens",
     "route_spill": "kvgate_route_spill_total",
+    "upstream_failover": "kvgate_upstream_failover_total",
+    "upstream_breaker": "kvgate_upstream_breaker_state",
     "stream_errors": "kvgate_stream_errors_total",
     "stream_cuts": "kvgate_stream_cuts_total",
     "request_log_written": "kvgate_request_log_written_total",
@@ -79,6 +81,9 @@ UPSTREAM_INFLIGHT = METRICS["upstream_inflight"]
 FAILOVERS = METRICS["failovers"]
 ROUTE_SPILL = METRICS["route_spill"]
 UPSTREAM_LOAD = METRICS["upstream_load"]
+UPSTREAM_FAILOVER = METRICS["upstream_failover"]
+UPSTREAM_BREAKER = METRICS["upstream_breaker"]
+"""0 closed, 1 open, 2 half-open (kvgate.breaker)."""
 
 
 def resp_key(version: int, scope: str, digest: str) -> str:

@@ -31,6 +31,8 @@ _M.FAMILIES = {
     kvgate_bad_requests_total = { "counter", "Requests rejected by the gateway before any node was contacted, by status." },
     kvgate_upstream_inflight = { "gauge", "Requests in flight per node: counted from the balancer's pick until the request ends (all workers, across reloads)." },
     kvgate_upstream_load_tokens = { "gauge", "In-flight prefill work per node of the bounded balancers (chash_bounded): estimated prompt tokens of the requests routed there, from the pick until the request ends (all workers)." },
+    kvgate_upstream_failover_total = { "counter", "Tries passed on to another node (a connection error, timeout, 502 or 503, or a 403/404 nginx passes on; never after a byte reached the client), by the node left; kvgate_failovers_total counts the requests." },
+    kvgate_upstream_breaker_state = { "gauge", "Each node's circuit breaker: 0 closed, 1 open (skipped after failover.breaker_failures failures in a row), 2 half-open (one trial request); written by worker 0 every 0.2 s." },
     kvgate_route_spill_total = { "counter", "Keyed requests a bounded balancer (chash_bounded) sent past their home node because it was over its load bound or its engine's queue over saturated_queue; node = the home that gave way." },
     kvgate_stream_errors_total = { "counter", "Streamed (SSE) responses whose node failed or timed out after the headers were sent; the client got an error event." },
     kvgate_stream_cuts_total = { "counter", "Streamed (SSE) responses the gateway ended itself, by reason: shutdown-grace (still streaming when a reloading worker's grace was nearly over; the client got an error event) or shutdown-forced (closed by nginx at the end of worker_shutdown_timeout, no event)." },

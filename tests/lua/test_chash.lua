@@ -26,12 +26,21 @@ local dict = {
         store[k] = { v = v, exp = ttl and ttl > 0 and now + ttl or nil }
         return true
     end,
+    incr = function(self, k, v, init)
+        local cur = self:get(k)
+        if cur == nil then
+            cur = init
+        end
+        store[k] = { v = cur + v }
+        return cur + v
+    end,
 }
 local var = {}
 _G.ngx = {
     var = var, ctx = {}, shared = { kvgate_state = dict },
     crc32_long = ring.crc32,
     log = function() end, WARN = 4, ERR = 3,
+    now = function() return now end,
     exit = function(code) return "exit", code end,
 }
 local B = { peer = nil, more = nil, failure = nil }
@@ -49,6 +58,7 @@ package.loaded["ngx.balancer"] = {
     end,
 }
 local chash = require "kvgate.balancer.chash"
+local peers = require "kvgate.balancer.peers"
 
 local POOL = {
     name = "p",
@@ -150,18 +160,26 @@ H.test("a failed try marks the node; the retry goes to the next node; then it is
     local tried = request(b, key, { "failed" })
     H.eq(tried[1], "n2")
     H.eq(tried[2], nxt)
-    -- marked for FAIL_TIMEOUT_S: the next request goes straight to the next node
+    -- its breaker is open for FAIL_TIMEOUT_S (one failure: the default policy's, nginx's
+    -- max_fails=1): the next request goes straight to the next node
     H.eq(request(b, key)[1], nxt)
-    H.eq(dict:get(chash.FAIL_PREFIX .. "p:n2"), true)
+    H.eq(dict:get(chash.FAIL_PREFIX .. "p:n2"), chash.FAIL_TIMEOUT_S)
     -- another worker (its own instance) sees the mark at its next refresh
     local other = assert(chash.new(POOL))
     H.eq(request(other, key)[1], "n2")
     chash.refresh(other)
     H.eq(request(other, key)[1], nxt)
-    -- the mark expires: the node is tried again after the refresh
+    -- the open time passes: after the refresh the node is half-open, the next request (any
+    -- key) is its one trial; the trial's answer closes the breaker
     now = chash.FAIL_TIMEOUT_S + 1
     H.eq(request(b, key)[1], nxt)
     chash.refresh(b)
+    H.eq(b.by_id.n2.half, true)
+    H.eq(request(b, "s:another")[1], "n2")
+    H.eq(ngx.ctx.kvgate.balancer.trial, "n2")
+    H.eq(request(b, key)[1], nxt, "one trial at a time")
+    peers.answered(b, "n2", 200)
+    H.eq(dict:get(chash.FAIL_PREFIX .. "p:n2"), nil)
     H.eq(request(b, key)[1], "n2")
     -- a new config (reload) forgets the marks
     chash.mark_failed(b, b.nodes[2])
@@ -179,7 +197,7 @@ H.test("every node failed: they are tried again; every node down: busy (502)", f
     reset()
     local b = assert(chash.new(POOL))
     for _, id in ipairs({ "n1", "n2", "n3" }) do
-        dict:set(chash.FAIL_PREFIX .. "p:" .. id, true, 10)
+        dict:set(chash.FAIL_PREFIX .. "p:" .. id, now + 10)
     end
     chash.refresh(b)
     H.truthy(b.nodes[1].failed and b.nodes[2].failed and b.nodes[3].failed)
@@ -194,9 +212,10 @@ H.test("every node failed: they are tried again; every node down: busy (502)", f
     H.eq(tried[2], "busy")
 end)
 
-H.test("an empty key: smooth weighted round robin over the nodes up", function()
+H.test("an empty key, failover.keyless round_robin: smooth weighted round robin over the nodes up", function()
     reset()
-    local b = assert(chash.new(POOL))
+    local pool = { name = POOL.name, nodes = POOL.nodes, failover = { keyless = "round_robin" } }
+    local b = assert(chash.new(pool))
     local counts = {}
     for _ = 1, 50 do
         local got = request(b, "")[1]
@@ -210,6 +229,60 @@ H.test("an empty key: smooth weighted round robin over the nodes up", function()
     -- the retry goes to another node
     local tried = request(b, "", { "failed" })
     H.ne(tried[1], tried[2])
+end)
+
+H.test("an empty key (failover.keyless p2c, the default): the better of two by load score", function()
+    reset()
+    local b = assert(chash.new(POOL))
+    -- n2 answers slowly (its EWMA header time), n1 and n3 fast; no engine reports (the
+    -- gateway's in-flight counts, none here)
+    b.by_id.n1.lat, b.by_id.n2.lat, b.by_id.n3.lat = 0.05, 2.0, 0.05
+    local counts = {}
+    for _ = 1, 200 do
+        local got = request(b, "")[1]
+        counts[got] = (counts[got] or 0) + 1
+    end
+    H.eq(counts.n4, nil)
+    -- n2 is drawn often (weight 300 of 500) but loses every comparison with another node
+    H.eq(counts.n2, nil)
+    H.truthy(counts.n1 > 50 and counts.n3 > 50, "n1 and n3 share")
+    -- the retry goes to another node
+    local tried = request(b, "", { "failed" })
+    H.ne(tried[1], tried[2])
+end)
+
+H.test("breaker: N failures in a row open it; a failed trial opens it twice as long", function()
+    reset()
+    local pool = { name = POOL.name, nodes = POOL.nodes,
+                   failover = { breaker_failures = 3, breaker_open_s = 5, breaker_open_max_s = 12 } }
+    local b = assert(chash.new(pool))
+    local n2 = b.by_id.n2
+    H.eq(peers.mark_failed(b, n2), 0)
+    peers.answered(b, "n2", 200) -- a success restarts the count
+    H.eq(peers.mark_failed(b, n2), 0)
+    H.eq(peers.mark_failed(b, n2), 0)
+    peers.answered(b, "n2", 503) -- a counted status: the third in a row
+    H.eq(n2.failed, true)
+    H.eq(dict:get(chash.FAIL_PREFIX .. "p:n2"), 5)
+    -- failures of requests in flight when it opened change nothing
+    H.eq(peers.mark_failed(b, n2), 1)
+    H.eq(dict:get(chash.FAIL_PREFIX .. "p:n2"), 5)
+    -- half-open; the trial fails: open for 10 s, then 12 (the max)
+    now = 6
+    chash.refresh(b)
+    H.eq(n2.half, true)
+    peers.mark_failed(b, n2)
+    H.eq(dict:get(chash.FAIL_PREFIX .. "p:n2"), 16)
+    now = 17
+    chash.refresh(b)
+    peers.mark_failed(b, n2)
+    H.eq(dict:get(chash.FAIL_PREFIX .. "p:n2"), 29)
+    -- a 4xx is an answer: it closes a half-open breaker
+    now = 30
+    chash.refresh(b)
+    peers.answered(b, "n2", 404)
+    H.eq(n2.failed, false)
+    H.eq(dict:get(chash.FAIL_PREFIX .. "p:n2"), nil)
 end)
 
 H.done()

@@ -26,12 +26,31 @@
 -- pool whose requests carry no key never builds it), then with each new instance
 -- (prepare_home) once the previous one had it.
 --
--- Failures: balancer_by_lua has no max_fails, so a try that failed (error, timeout, 502,
--- 503: get_last_failure() = "failed") marks its node in the shared dict kvgate_state for
--- FAIL_TIMEOUT_S; marked nodes are skipped by every worker unless every node is marked (then
--- they are tried again, as nginx resets its fail counts when all peers failed). A worker
--- sees its own marks at once and the others' within REFRESH_S (refresh(), on a timer): a
--- shared-dict read per request would cost more than the rest of the balancer.
+-- Failures: balancer_by_lua has no max_fails. A try that failed (error, timeout, 502, 503:
+-- get_last_failure() = "failed") counts against its node's circuit breaker (kvgate.breaker,
+-- shared by every worker in kvgate_state): failover.breaker_failures in a row open it for
+-- breaker_open_s, then one trial request (half-open) closes it or opens it again for twice as
+-- long (up to breaker_open_max_s). The defaults (1 failure, 10 s) are nginx's max_fails=1
+-- fail_timeout=10s. Open and half-open nodes are skipped (node.failed) by every worker unless
+-- every node is (then they are tried again, as nginx resets its fail counts when all peers
+-- failed). A worker sees its own transitions at once and the others' within REFRESH_S
+-- (refresh(), on a timer): a shared-dict read per request would cost more than the rest of
+-- the balancer. The half-open trial is claimed at a request's first try (balance()).
+--
+-- Failover: a retry goes to the key's next eligible node on the ring (chash, chash_bounded:
+-- the walk from the key's point skipping tried, down and open nodes; the same node for the
+-- same key, its "second home"), only before any byte reached the client (nginx's
+-- proxy_next_upstream), immediately: balancer_by_lua cannot sleep (no ngx.sleep, no timer
+-- wait) and nginx has no delay between tries, so there is no backoff between two tries of one
+-- request (they go to different nodes). The exponential backoff is the breaker's: a node that
+-- keeps failing is tried again after 10, 20, 40 ... s (breaker_open_s doubled per failed
+-- trial, at most breaker_open_max_s), by one request at a time.
+-- Each retry counts in kvgate_upstream_failover_total{pool,node = the node left}.
+--
+-- Keyless requests (no route key) under chash: power of two choices by a load score
+-- (p2c(): kvgate.score, the engines' queues, the measured header time, KV use) when the pool's
+-- failover.keyless is "p2c" (the default); keyless(b, tried) is the same choice for the other
+-- balancers' keyless branches.
 --
 -- Tries: nginx gives a request as many tries as its upstream has server lines (the round
 -- robin init of ngx_http_lua_balancer_init_peer), capped by proxy_next_upstream_tries 2.
@@ -44,6 +63,11 @@ local ring = require "kvgate.balancer.ring"
 local kvctx = require "kvgate.ctx"
 local inflight = require "kvgate.inflight"
 local klog = require "kvgate.log"
+local breaker = require "kvgate.breaker"
+local score = require "kvgate.score"
+local node_load = require "kvgate.node_load"
+local metrics = require "kvgate.metrics"
+local keys = require "kvgate.keys"
 
 local ngx = ngx
 local shared = ngx.shared
@@ -62,11 +86,25 @@ local concat = table.concat
 local sort = table.sort
 local ring_home = ring.home
 local crc32_long = ngx.crc32_long
+local random = math.random
+local count = inflight.count
+local get_load = node_load.get
+local node_score = score.score
+local failover_total = metrics.counter(keys.METRICS.upstream_failover, { "pool", "node" })
 
 local _M = {}
 
-_M.FAIL_TIMEOUT_S = 10
-_M.FAIL_PREFIX = "fail:"
+-- now() -> ngx.now() (0 where there is none: the luajit stand-ins)
+local function now()
+    local f = ngx.now
+    return f and f() or 0
+end
+
+-- the breaker's open time with the default policy (kvgate.breaker.DEFAULTS)
+_M.FAIL_TIMEOUT_S = breaker.DEFAULTS.breaker_open_s
+-- a node's "open until" key in kvgate_state is FAIL_PREFIX .. pool .. ":" .. id (deleting it
+-- closes the breaker: kvgate.config_api for a node back in service)
+_M.FAIL_PREFIX = "bo:"
 _M.REFRESH_S = 0.2
 
 local DICT = "kvgate_state"
@@ -100,7 +138,7 @@ function _M.parse_peer(addr)
     return host, port
 end
 
---- fail_key(pool, id) -> the failure mark's key in kvgate_state
+--- fail_key(pool, id) -> the key of the node's open breaker in kvgate_state
 function _M.fail_key(pool, id)
     return _M.FAIL_PREFIX .. pool .. ":" .. tostring(id)
 end
@@ -108,7 +146,9 @@ end
 --- nodes(pool, prt) -> array of nodes in kvgate.json's order | nil, err
 -- node: {id, w (the runtime's weight, 0 = not taking traffic), hw (the home ring's weight >= 1:
 -- the runtime's home_weight; without one w, or the node's base weight in kvgate.json when w
--- is 0), down, host, port, cw (smooth round robin), failed, fail_key, inflight_key}; plus
+-- is 0), down, host, port, cw (smooth round robin), failed (breaker open or half-open), half
+-- (half-open), brk (any failure known), bk (breaker keys), lat (EWMA header time s | nil),
+-- fail_key, inflight_key, lat_key}; plus
 -- eligible (nodes with w > 0) and by_id
 function _M.nodes(pool, prt)
     if type(pool) ~= "table" or type(pool.nodes) ~= "table" then
@@ -137,8 +177,12 @@ function _M.nodes(pool, prt)
             port = port,
             cw = 0,
             failed = false,
+            half = false,
+            brk = false,
+            bk = breaker.keys_for(pool.name, n.id),
             fail_key = _M.fail_key(pool.name, n.id),
             inflight_key = inflight.key(pool.name, n.id),
+            lat_key = score.key(pool.name, n.id),
         }
         if w > 0 then
             eligible = eligible + 1
@@ -163,6 +207,9 @@ function _M.base(pool, prt, prev)
             local old = prev.by_id[node.id]
             if old then
                 node.failed = old.failed
+                node.half = old.half
+                node.brk = old.brk
+                node.lat = old.lat
                 node.cw = old.cw
             end
         end
@@ -170,11 +217,43 @@ function _M.base(pool, prt, prev)
     local hsig = _M.signature(nodes, "hw")
     local b = { pool = pool.name, nodes = nodes, by_id = by_id, eligible = eligible, servers = #nodes,
                 home_sig = hsig }
+    _M.failover_settings(b, pool)
+    if prev then
+        b.half = prev.half
+        b.lat_mean = prev.lat_mean
+    end
     if prev and prev.home_sig == hsig then
         -- same ids and home weights: the same home ring (its nodes are looked up by id)
         b.home_ring = prev.home_ring
     end
     return b
+end
+
+--- failover_settings(b, pool): b.breaker = {failures, open_s, open_max_s}, b.fail_status
+-- (status -> true: answers that count as failures), b.p2c (keyless requests by p2c), b.kv_weight,
+-- b.alpha (latency EWMA), b.wmean (mean serving weight), b.half (half-open nodes in this
+-- worker's view), from kvgate.json's pool.failover (defaults: kvgate.breaker.DEFAULTS, score)
+function _M.failover_settings(b, pool)
+    local f = pool.failover or {}
+    local failures, open_s, open_max_s = breaker.settings(pool)
+    b.breaker = { failures = failures, open_s = open_s, open_max_s = open_max_s }
+    local fs = {}
+    for _, st in ipairs(f.failure_statuses or { 500, 502, 503, 504 }) do
+        fs[st] = true
+    end
+    b.fail_status = fs
+    b.p2c = (f.keyless or "p2c") == "p2c" -- else "round_robin": the balancer's own
+    b.kv_weight = tonumber(f.kv_weight) or score.KV_WEIGHT
+    b.alpha = tonumber(f.latency_alpha) or score.ALPHA
+    local sum, n = 0, 0
+    for _, node in ipairs(b.nodes) do
+        if node.w > 0 then
+            sum = sum + node.w
+            n = n + 1
+        end
+    end
+    b.wmean = n > 0 and sum / n or 1
+    b.half = 0
 end
 
 --- signature(nodes, field) -> "id=<node[field]>;..." in id order: equal signatures, equal rings
@@ -271,39 +350,139 @@ function _M.rr(nodes, tried, skip)
     return best
 end
 
---- mark_failed(b, node): skip node for FAIL_TIMEOUT_S (this worker at once, the others
--- at their next refresh)
+--- mark_failed(b, node): one failure of node for its breaker (kvgate.breaker.failure: open
+-- after breaker_failures in a row; this worker at once, the others at their next refresh)
 function _M.mark_failed(b, node)
-    node.failed = true
-    local d = shared[DICT]
-    if d then
-        d:set(node.fail_key, true, _M.FAIL_TIMEOUT_S)
+    return breaker.failure(b, node, now())
+end
+
+--- succeeded(b, node): node answered with a status that is no failure (the breaker closes)
+function _M.succeeded(b, node)
+    if node.brk then
+        breaker.success(b, node)
     end
 end
 
---- refresh(b): this worker's view of the failure marks, from kvgate_state (expired ones clear)
-function _M.refresh(b)
-    local d = shared[DICT]
-    if not d then
+--- answered(b, id, status): the header filter's report of the answering node's status: a
+-- failure (b.fail_status) or a success for its breaker
+function _M.answered(b, id, status)
+    local node = b.by_id[id]
+    if not node then
         return
     end
-    for _, node in ipairs(b.nodes) do
-        node.failed = d:get(node.fail_key) ~= nil
+    if b.fail_status[status] then
+        breaker.failure(b, node, now())
+    elseif node.brk then
+        breaker.success(b, node)
     end
 end
 
---- forget(b, ids): drop the failure marks of b's nodes (all, or the ids listed: nodes that
+local seeded = false
+
+--- refresh(b): this worker's view of the breakers and the latencies, from kvgate_state;
+-- worker 0 also writes the breaker gauge (kvgate_upstream_breaker_state)
+function _M.refresh(b)
+    if not seeded then
+        -- workers are forked from one master: each its own random sequence (p2c)
+        seeded = true
+        local w = ngx.worker
+        math.randomseed((w and w.pid() or 1) * 1000 + (now() * 1000) % 1000)
+    end
+    local w = ngx.worker
+    local id = w and w.id()
+    b.half = breaker.refresh(b, now(), id == 0 or id == nil)
+    score.refresh(b)
+end
+
+--- forget(b, ids): close the breakers of b's nodes (all, or the ids listed: nodes that
 -- come back into service), every worker at its next refresh
 function _M.forget(b, ids)
-    local d = shared[DICT]
     for _, node in ipairs(b.nodes) do
         if not ids or ids[node.id] then
-            node.failed = false
-            if d then
-                d:delete(node.fail_key)
+            breaker.forget(b, node)
+        end
+    end
+end
+
+--- p2c(b, tried) -> node | nil: power of two choices: two distinct nodes drawn at random
+-- by serving weight among those taking traffic, not tried, not open (every one open: among
+-- the others), the one with the lower kvgate.score wins (ties: the first drawn)
+function _M.p2c(b, tried)
+    local nodes = b.nodes
+    local total, n, only = 0, 0, nil
+    for pass = 1, 2 do
+        local skip = pass == 1 and _M.skip_failed or _M.skip_down
+        total, n = 0, 0
+        for i = 1, #nodes do
+            local node = nodes[i]
+            if node.w > 0 and not skip(node, tried) then
+                total = total + node.w
+                n = n + 1
+                only = node
+            end
+        end
+        if n > 0 then
+            if n == 1 then
+                return only
+            end
+            local a = _M.draw(nodes, tried, skip, total, nil)
+            local c = _M.draw(nodes, tried, skip, total - a.w, a)
+            local sa, sc = _M.score_of(b, a), _M.score_of(b, c)
+            return sc < sa and c or a
+        end
+    end
+    return nil
+end
+
+--- draw(nodes, tried, skip, total, except) -> a node at random by weight (total: the weights
+-- of the candidates but except)
+function _M.draw(nodes, tried, skip, total, except)
+    local r = random() * total
+    local last
+    for i = 1, #nodes do
+        local node = nodes[i]
+        if node ~= except and node.w > 0 and not skip(node, tried) then
+            last = node
+            r = r - node.w
+            if r < 0 then
+                return node
             end
         end
     end
+    return last
+end
+
+--- score_of(b, node) -> node's load score (kvgate.score): its engine's reported queue (else the
+-- gateway's in-flight count), its EWMA header time (else the pool's mean), its KV use
+function _M.score_of(b, node)
+    local waiting, _, kv = get_load(b.pool, node.id)
+    local q = waiting or count(node.inflight_key)
+    local lat = node.lat or b.lat_mean or score.DEFAULT_LATENCY_S
+    return node_score(q, lat, kv, b.kv_weight, node.w, b.wmean)
+end
+
+--- keyless(b, tried) -> node | nil: the pool's choice for a request without a route key when
+-- it is p2c (failover.keyless), nil otherwise (the balancer's own: round robin)
+function _M.keyless(b, tried)
+    if b.p2c then
+        return _M.p2c(b, tried)
+    end
+    return nil
+end
+
+-- balancers whose keyless requests p2c takes from peers.balance (the others call keyless())
+local P2C_BY_BALANCE = { chash = true }
+
+-- trial(b) -> a half-open node this request is the trial of, or nil
+local function trial(b)
+    local nodes = b.nodes
+    for i = 1, #nodes do
+        local node = nodes[i]
+        if node.half and node.w > 0 and breaker.claim_trial(b, node) then
+            return node
+        end
+    end
+    return nil
 end
 
 --- node(b, id) -> the balancer's node with that id, or nil
@@ -328,6 +507,11 @@ function _M.balance(impl, b)
     if try == nil then
         try = 1
         impl.start(b, st, kctx)
+        if b.p2c and P2C_BY_BALANCE[impl.NAME] and kctx.route.kind == "fallback" then
+            -- none of the pool's affinity keys: the fallback key would send every such request
+            -- to one node; p2c spreads them by load (no home)
+            st.point = nil
+        end
     else
         -- a retry: the last try failed (error, timeout, 502/503) or was passed on (403/404)
         try = try + 1
@@ -337,6 +521,7 @@ function _M.balance(impl, b)
             if pnode and get_last_failure() == "failed" then
                 _M.mark_failed(b, pnode)
             end
+            failover_total(1, b.pool, prev)
         end
         tried = st.tried or {}
         if prev then
@@ -345,7 +530,22 @@ function _M.balance(impl, b)
         st.tried = tried
     end
     st.try = try
-    local node, home = impl.pick(b, st, tried)
+    local node, home
+    if try == 1 and b.half > 0 then
+        -- a half-open node's one trial (whatever the key: one request may miss its cache)
+        node = trial(b)
+        if node then
+            st.trial = node.id
+            home = st.point and _M.home(b, st.point) or nil
+        end
+    end
+    if not node then
+        if st.point == nil and b.p2c and P2C_BY_BALANCE[impl.NAME] then
+            node = _M.p2c(b, tried)
+        else
+            node, home = impl.pick(b, st, tried)
+        end
+    end
     if not node then
         if home then
             st.home = home.id

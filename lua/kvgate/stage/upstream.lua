@@ -2,13 +2,18 @@
 -- way to the client. The node that answers (kctx.balancer.node, from the balancer), the
 -- decision headers, the stream guard (a node failing mid-stream becomes an SSE error event:
 -- kvgate.sse_guard) and the cut of a stream that outlives a reloading worker's grace
--- (kvgate.shutdown); in the log phase the node's response time and failovers.
+-- (kvgate.shutdown); the answering node's status for its circuit breaker (a status the pool's
+-- failover.failure_statuses counts is a failure, any other a success: kvgate.breaker); in the
+-- log phase the node's response time, its time to first byte for the load score (kvgate.score)
+-- and failovers.
 --   kctx.log = {node = node id | "cache" | nil, guard = stream guard, stream_failed, inflight}
 local config = require "kvgate.config"
 local metrics = require "kvgate.metrics"
 local sse_guard = require "kvgate.sse_guard"
 local shutdown = require "kvgate.shutdown"
 local keys = require "kvgate.keys"
+local peers = require "kvgate.balancer.peers"
+local score = require "kvgate.score"
 
 local ngx = ngx
 local var = ngx.var
@@ -56,7 +61,20 @@ local function is_sse(ct)
     return type(ct) == "string" and find(lower(ct), "text/event-stream", 1, true) ~= nil
 end
 
---- header_filter(kctx, cfg): decision headers; the stream guard for a streamed 200
+local the_balancer
+-- instance(pool) -> this worker's balancer instance of the pool (kvgate.balancer, required late:
+-- it requires this module's neighbours)
+local function instance(pool)
+    local bal = the_balancer
+    if not bal then
+        bal = require "kvgate.balancer"
+        the_balancer = bal
+    end
+    return bal.instance(pool)
+end
+
+--- header_filter(kctx, cfg): decision headers; the stream guard for a streamed 200; the
+-- answering node's breaker
 function _M.header_filter(kctx, cfg)
     local h = ngx.header
     local outcome = kctx.cache.outcome
@@ -78,7 +96,16 @@ function _M.header_filter(kctx, cfg)
             h["X-Kvgate-Cache-Reason"] = reason
         end
     end
-    if not hit and n and ngx.status == 200 and is_sse(h["Content-Type"]) then
+    local status = ngx.status
+    local picked = not hit and kctx.balancer.node
+    if picked then
+        -- the balancer's node answered (not nginx itself: @kvgate_upstream_error has no filter)
+        local b = instance(kctx.route.pool)
+        if b then
+            peers.answered(b, picked, status)
+        end
+    end
+    if not hit and n and status == 200 and is_sse(h["Content-Type"]) then
         log.guard = sse_guard.new()
     end
 end
@@ -135,6 +162,13 @@ function _M.log(kctx, cfg, n, addr)
         end
         if find(addr, ",", 1, true) then
             failovers(1, pool)
+        end
+        -- the node's time to first byte, for the keyless requests' load score
+        local ht = tonumber(match(var.upstream_header_time or "", "([%d.]+)%s*$"))
+        if ht and kctx.balancer.node == n then
+            local pcfg = cfg.pools[pool]
+            local f = pcfg and pcfg.failover
+            score.observe(pool, n, ht, f and f.latency_alpha)
         end
     end
     local guard = kctx.log.guard
