@@ -56,7 +56,7 @@ def test_bench_peers_kvgate_rows(tmp_path: Path) -> None:
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)  # ports 1-8: the bench moves every one to a free port
     out = tmp_path / "peers.json"
-    proc = subprocess.run([sys.executable, "-m", "kvgate.bench.peers", str(trace), "--policy", str(policy),
+    proc = subprocess.run([sys.executable, "-m", "kvgate", "bench", "peers", str(trace), "--policy", str(policy),
                            "--balancers", "round_robin,chash", "--peers", "none", "--speedup", "1",
                            "--json", str(out)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -547,4 +547,7 @@ def bench_command() -> None:
     """Benchmarks that print numbers (the trace replay is `kvgate replay`)."""
 
 
+from .peers import peers_command  # noqa: E402  (kvgate bench peers: the peer routers side by side)
+
 bench_command.add_command(gateway_command)
+bench_command.add_command(peers_command)
