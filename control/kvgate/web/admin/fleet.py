@@ -82,6 +82,29 @@ def _gpu_cells(report: dict[str, Any] | None) -> tuple[str, str, str]:
     return f"{_gib(used)} / {_gib(total)} GiB", util, f"{len(devs)} × {names}"
 
 
+BREAKER_STATES = {0: "closed", 1: "open", 2: "half-open"}
+"""``kvgate_upstream_breaker_state`` values (lua/kvgate/breaker.lua)."""
+
+
+def _breaker_cell(gateway: Any, node_id: str) -> tuple[str, str, str]:
+    """(text, CSS class, title) of a node's circuit breaker from the plane's last gateway scrape
+    (``gateway["breaker"]``: node id → 0 closed / 1 open / 2 half-open, ``kvgate_upstream_breaker_state``)."""
+    if not gateway or not gateway.get("ok"):
+        return "—", "", "the gateway's /metrics could not be read"
+    states = gateway.get("breaker")
+    if states is None:
+        return "—", "", "this control plane does not read the gateway's breaker states"
+    v = states.get(node_id)
+    if v is None:
+        return "—", "", "the gateway reports no breaker for this node (yet)"
+    text = BREAKER_STATES.get(int(v), "?")
+    cls = "bad" if text == "open" else "warn" if text == "half-open" else ""
+    title = {"closed": "the gateway sends it traffic",
+             "open": "skipped by the gateway after failures in a row (pools[].failover.breaker_failures)",
+             "half-open": "the gateway lets one trial request through: its answer closes the breaker"}.get(text, "")
+    return text, cls, title
+
+
 def _progress(plane: Any, n: dict[str, Any], now: float) -> tuple[str, bool]:
     """What the node is doing now, and whether an action is under way (the row shows progress)."""
     state = n["state"]
@@ -133,6 +156,7 @@ def fleet_rows(plane: Any, now: float | None = None) -> list[dict[str, Any]]:
     redis_ok = plane.store.ping()
     policy = plane.policy
     stale_after = policy.health.missing_reports * policy.control.report_interval_s
+    gateway = getattr(plane.snapshot, "gateway", None)
     rows = []
     for n in nodes:
         report = n.get("report")
@@ -155,6 +179,7 @@ def fleet_rows(plane: Any, now: float | None = None) -> list[dict[str, Any]]:
         progress, busy = _progress(plane, n, now)
         err = rates.get("error_rate")
         running, waiting = engine.get("running"), engine.get("waiting")
+        brk, brk_cls, brk_title = _breaker_cell(gateway, n["id"])
         cls = {
             "state": f"state-{n['state']}",
             "report_age": ("warn" if not redis_ok else
@@ -162,6 +187,7 @@ def fleet_rows(plane: Any, now: float | None = None) -> list[dict[str, Any]]:
             "errors": "bad" if err and err >= 0.05 else ("warn" if err and err > 0 else ""),
             "kv_cache": "warn" if (engine.get("kv_cache_usage") or 0) >= 0.9 else "",
             "queue": "warn" if (waiting or 0) > 0 else "",
+            "breaker": brk_cls,
         }
         rows.append({
             "id": n["id"], "pool": n["pool"], "url": n["url"], "state": n["state"], "reason": n.get("reason") or "",
@@ -178,6 +204,7 @@ def fleet_rows(plane: Any, now: float | None = None) -> list[dict[str, Any]]:
                 "prefix_hit": _pct(hit, 1),
                 "req_s": _num(rates.get("req_s"), 1),
                 "errors": _pct(err, 1),
+                "breaker": brk,
                 "report_age": ("unknown (Redis down)" if not redis_ok else _ago(age) if age is not None
                                else ("none yet" if not n.get("has_agent") else "missing")),
                 "progress": progress,
@@ -185,7 +212,7 @@ def fleet_rows(plane: Any, now: float | None = None) -> list[dict[str, Any]]:
             "classes": cls,
             "title": {"gpu_mem": gpu_title, "gpu_util": gpu_title, "prefix_hit": hit_title,
                       "state": f"since {_when(n.get('since'))}: {n.get('reason') or ''}",
-                      "report_age": "age of the node agent's last report"},
+                      "report_age": "age of the node agent's last report", "breaker": brk_title},
             "actions": {
                 "drain": st.DRAINING in st.TRANSITIONS.get(n["state"], ()),
                 "undrain": st.WARMING in st.TRANSITIONS.get(n["state"], ()) and n["state"] in (st.DRAINING, st.DRAINED),
