@@ -69,17 +69,26 @@ class Peer:
         return f"{self.router} {self.policy}"
 
 
-# The settings each peer gets for the conversation trace on 4 engines (docs/benchmarks.md says why).
+# The settings each peer gets for the conversation trace on 4 engines: the best of the variants
+# tried on the first 500 requests (docs/benchmarks.md, "Peers side by side", lists them and why).
 PEERS: tuple[Peer, ...] = (
-    Peer("sglang-router", "cache_aware", why="defaults (cache threshold 0.3, balance thresholds 64 / 1.5, "
-         "a tree of 64 Mi characters, larger than the engines' caches, eviction every 60 s)"),
+    Peer("sglang-router", "cache_aware", why="its defaults (cache threshold 0.3, balance thresholds 64 / 1.5, "
+         "a 64 Mi-character tree, eviction every 60 s): lower balance thresholds (16, 4 / 1.2) or a tree of "
+         "the engines' size did no better"),
     Peer("sglang-router", "round_robin", why="no setting"),
-    Peer("smg", "cache_aware", why="defaults (as sglang-router's, plus its worker overload protection)"),
-    Peer("smg", "prefix_hash", ("--prefix-token-count", "1024"),
+    Peer("smg", "cache_aware", ("--load-monitor-interval", "1", "--worker-warmup-secs", "0",
+                                "--worker-warmup-divert-every", "0"),
+         why="engine loads polled every 1 s, not 10 s (the trace runs 10x faster: 10 s would be 100 s of "
+             "trace time, and its stale loads piled requests on one engine); no warm-up slice (every worker "
+             "starts with the others here; it diverted hits to 'thin' workers)"),
+    Peer("smg", "prefix_hash", ("--prefix-token-count", "1024", "--load-monitor-interval", "1"),
          why="1024 tokens = 4,096 characters hashed on untokenized requests: kvgate's prefix_chars "
-             "(past the trace's shared 3.6 kB system prompt into the conversation's first block); "
-             "its bounded load at the default 1.25 x the mean (kvgate's bound_factor default)"),
-    Peer("vllm-router", "cache_aware", why="defaults (as sglang-router's)"),
+             "(past the trace's shared 3.6 kB system prompt into the conversation's first block; the "
+             "default 256 tokens ends inside it: 0.44 of the ceiling); its bounded load at the default "
+             "1.25 x the mean (1.1 did no better); loads polled every 1 s as for cache_aware"),
+    Peer("vllm-router", "cache_aware", why="its defaults (as sglang-router's; thresholds 0.1 and 0.5 did no "
+         "better); its tree needs the engine's POST /v1/chat/completions/render, which kvgate.sim does "
+         "not serve (debug log: render_unavailable), so on the simulator it routes without the prompt"),
     Peer("vllm-router", "consistent_hash", why=f"{SESSION_HEADER}: the conversation (the trace's first "
          "block after the shared system prompt), the key kvgate derives from the prompt; 0.1.17 ignores "
          "the body's user and session_id", session_header=True),
