@@ -28,6 +28,12 @@ APIKEY_PREFIX = "kvgate:apikey:"
 ``name``, ``created`` (unix s), ``revoked`` (``0``/``1``) and ``last_used`` (unix s, set by the
 gateways). Written by the control plane (``control/apikeys.py``), read by ``lua/kvgate/tenant.lua``.
 The secret itself is stored nowhere."""
+RATELIMIT_PREFIX = "kvgate:rl:"
+"""Tenants' limits (``lua/kvgate/limits.lua``): token-bucket hashes ``kvgate:rl:<tenant>:rpm`` /
+``:tpm`` (fields ``t`` tokens left, ``ts`` ms, ``n`` requests admitted while the bucket lived),
+per session ``kvgate:rl:<tenant>:s:<16 hex>:rpm``, per key ``kvgate:rl:<tenant>:k:<key id>:rpm`` /
+``:tpm``, and the sorted set ``kvgate:rl:<tenant>:concurrency``; every one with a TTL of at most
+one window (a full bucket is an absent key)."""
 APIKEY_INDEX = "kvgate:apikeys"
 """Hash: key id -> the key's sha256 hex (the control plane's listing and revocation by id)."""
 
@@ -73,6 +79,8 @@ METRICS: dict[str, str] = {
     "config_loads": "kvgate_gateway_config_loads",
     "config_version": "kvgate_config_version",
     "config_pushes": "kvgate_config_pushes_total",
+    "ratelimited": "kvgate_ratelimited_total",
+    "ratelimit_redis_errors": "kvgate_ratelimit_redis_errors_total",
 }
 """The gateway's metric families on ``/metrics``, by short name."""
 

@@ -4,6 +4,7 @@
 --   kctx.tenant    auth stage: id, scope (the cache scope), models (allowed set | nil = all);
 --                  empty with gateway.auth off
 --   kctx.req       request stage: endpoint, the parsed request, rejected (status of a refusal)
+--   kctx.limit     limit stage: the request's buckets, how they were checked, the answer's tail
 --   kctx.route     route-key stage: key, kind, pool, fp (prefix fingerprint), endpoint, shared
 --   kctx.cache     cache stage: outcome (HIT|MISS|BYPASS), reason, key, capture state
 --   kctx.warm      warm-up sampling: the prefix document kept for the request log
@@ -38,6 +39,7 @@ local function new()
     return {
         tenant = {},
         req = {},
+        limit = {},
         route = {},
         cache = {},
         warm = {},

@@ -22,6 +22,10 @@ _M.NODE_LOAD_PREFIX = "kvgate:load:"
 -- last_used}; the gateway only reads it and sets last_used
 _M.APIKEY_PREFIX = "kvgate:apikey:"
 _M.APIKEY_INDEX = "kvgate:apikeys" -- hash: key id -> sha256 hex (the control plane's listing)
+-- tenants' limits (kvgate.limits): token buckets kvgate:rl:<tenant>:<rpm|tpm>, per session
+-- kvgate:rl:<tenant>:s:<16 hex>:rpm, per key kvgate:rl:<tenant>:k:<key id>:<rpm|tpm>, the
+-- concurrency set kvgate:rl:<tenant>:concurrency; each with a TTL of at most one window
+_M.RATELIMIT_PREFIX = "kvgate:rl:"
 _M.NODE_LOAD_FIELDS = { "received_at", "interval_s", "waiting", "running", "kv_use" }
 
 --- node_load(pool) -> "kvgate:load:<pool>"
@@ -90,6 +94,8 @@ _M.METRICS = {
     config_loads = "kvgate_gateway_config_loads",
     config_version = "kvgate_config_version",
     config_pushes = "kvgate_config_pushes_total",
+    ratelimited = "kvgate_ratelimited_total",
+    ratelimit_redis_errors = "kvgate_ratelimit_redis_errors_total",
 }
 
 return _M

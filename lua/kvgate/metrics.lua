@@ -34,6 +34,8 @@ _M.FAMILIES = {
     kvgate_upstream_failover_total = { "counter", "Tries passed on to another node (a connection error, timeout, 502 or 503, or a 403/404 nginx passes on; never after a byte reached the client), by the node left; kvgate_failovers_total counts the requests." },
     kvgate_upstream_breaker_state = { "gauge", "Each node's circuit breaker: 0 closed, 1 open (skipped after failover.breaker_failures failures in a row), 2 half-open (one trial request); written by worker 0 every 0.2 s." },
     kvgate_route_spill_total = { "counter", "Keyed requests a bounded balancer (chash_bounded) sent past their home node because it was over its load bound or its engine's queue over saturated_queue; node = the home that gave way." },
+    kvgate_ratelimited_total = { "counter", "Requests answered 429 by a tenant's limit (limit = rpm, tpm, session_rpm, key_rpm, key_tpm or concurrency)." },
+    kvgate_ratelimit_redis_errors_total = { "counter", "Limited requests whose limits could not be checked in Redis: admitted under the gateway's own fallback limits (limits.on_redis_error: allow) or refused (deny)." },
     kvgate_stream_errors_total = { "counter", "Streamed (SSE) responses whose node failed or timed out after the headers were sent; the client got an error event." },
     kvgate_stream_cuts_total = { "counter", "Streamed (SSE) responses the gateway ended itself, by reason: shutdown-grace (still streaming when a reloading worker's grace was nearly over; the client got an error event) or shutdown-forced (closed by nginx at the end of worker_shutdown_timeout, no event)." },
     kvgate_request_log_written_total = { "counter", "Request-log entries written to the Redis stream kvgate:log." },

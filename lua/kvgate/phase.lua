@@ -34,6 +34,8 @@ local stage_auth = require "kvgate.stage.auth"
 local tenant = require "kvgate.tenant"
 local stage_request = require "kvgate.stage.request"
 local stage_route = require "kvgate.stage.route"
+local stage_limit = require "kvgate.stage.limit"
+local limits = require "kvgate.limits"
 local stage_upstream = require "kvgate.stage.upstream"
 local stage_log = require "kvgate.stage.log"
 -- preloaded here, in the master, so workers never read the file system
@@ -55,7 +57,7 @@ local M = keys.METRICS
 local _M = {}
 
 -- the access phase's stages, in order (each: access(kctx, cfg))
-_M.ACCESS = { stage_auth, stage_request, stage_route, warm, cache }
+_M.ACCESS = { stage_auth, stage_request, stage_route, stage_limit, warm, cache }
 local ACCESS = _M.ACCESS
 local NACCESS = #ACCESS
 
@@ -125,6 +127,11 @@ function _M.body_filter()
             load.finish(log)
         end
     end
+    local l = kctx.limit
+    if l.tpm then
+        -- the answer's end, where its usage is, for the tokens-per-minute settlement
+        l.tail = limits.tail(l.tail, ngx.arg[1])
+    end
     if not guard and not c.capture then
         return
     end
@@ -156,6 +163,20 @@ function _M.log()
     -- also on a client abort: the log phase always runs
     inflight.finish(kctx.log)
     load.finish(kctx.log) -- the bounded balancers' prefill tokens (kvgate.balancer.load)
+    local l = kctx.limit
+    if l.buckets then
+        -- the concurrency slot back; reserved tokens settled to the answer's usage (a hit and
+        -- a refused or failed request used none; an answer without usage keeps the reservation)
+        local used
+        if l.tpm then
+            if kctx.cache.outcome == "HIT" or ngx.status ~= 200 then
+                used = 0
+            else
+                used = limits.used_tokens(l.tail)
+            end
+        end
+        limits.settle(l, used, config.get)
+    end
     local addr = var.upstream_addr
     if kctx.log.log_only then
         -- every node failed (@kvgate_upstream_error): counted there, logged here

@@ -88,7 +88,7 @@ local function fetch(cfg, digest)
     if kredis.down() then
         return nil, "the Redis breaker is open"
     end
-    local replies, err = kredis.pipeline(cfg.redis, { { "hmget", keys.apikey(digest), "tenant", "revoked" } })
+    local replies, err = kredis.pipeline(cfg.redis, { { "hmget", keys.apikey(digest), "tenant", "revoked", "id" } })
     if not replies then
         kredis.trip()
         return nil, err
@@ -97,17 +97,17 @@ local function fetch(cfg, digest)
     if type(r) ~= "table" or r[1] == false then
         return nil, "hmget: " .. tostring(r and r[2])
     end
-    local tenant, revoked = r[1], r[2]
+    local tenant, revoked, id = r[1], r[2], r[3]
     if tenant == ngx.null or tenant == nil then
         return { unknown = true }
     end
     if revoked == "1" then
         return { revoked = true }
     end
-    return { tenant = tenant }
+    return { tenant = tenant, key_id = id ~= ngx.null and id or nil }
 end
 
---- resolve(cfg, token) -> tenant id | nil, why ("unknown" | "revoked" | "unavailable")
+--- resolve(cfg, token) -> tenant id, key id | nil, why ("unknown" | "revoked" | "unavailable")
 -- One sha256 of the token per request (~1 µs); Redis only when this worker's answer for it is
 -- older than cfg.auth.cache_ttl_s.
 function _M.resolve(cfg, token)
@@ -149,7 +149,7 @@ function _M.resolve(cfg, token)
         nused = nused + 1
     end
     used[digest] = t
-    return entry.tenant
+    return entry.tenant, entry.key_id
 end
 
 local TOUCH = "if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'last_used', ARGV[1]) end"

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import redis as redis_lib
 import requests
+from kvgate import keys
 
 from gwfixtures import MODEL, Gateway, RedisServer, _wait, wait_cached
 
 # home: the key's home node (kctx.balancer.home, issue 10); keys.LOG_FIELDS is the contract
-FIELDS = {"ts", "pool", "node", "status", "cache", "kind", "fp", "key", "ms", "point", "tries", "home"}
+FIELDS = set(keys.LOG_FIELDS)  # the contract (kvgate.keys): every entry has every field
 
 
 def _entries(gw: Gateway) -> list[dict[str, str]]:

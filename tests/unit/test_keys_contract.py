@@ -28,7 +28,7 @@ io.write(cjson.encode({
     LOG_FIELDS = k.LOG_FIELDS, METRICS = k.METRICS, families = families,
     resp = k.resp(7, "default", "ab12"), hot = k.hot("p1", 1800000000.25), prefix_text = k.prefix_text("p1", "f0"),
     NODE_LOAD_PREFIX = k.NODE_LOAD_PREFIX, NODE_LOAD_FIELDS = k.NODE_LOAD_FIELDS, node_load = k.node_load("p1"),
-    APIKEY_PREFIX = k.APIKEY_PREFIX, APIKEY_INDEX = k.APIKEY_INDEX, apikey = k.apikey("d1"),
+    APIKEY_PREFIX = k.APIKEY_PREFIX, RATELIMIT_PREFIX = k.RATELIMIT_PREFIX, APIKEY_INDEX = k.APIKEY_INDEX, apikey = k.apikey("d1"),
 }))
 """
 
@@ -51,6 +51,7 @@ def test_redis_keys_match(lua: dict) -> None:
     assert tuple(lua["NODE_LOAD_FIELDS"]) == keys.NODE_LOAD_FIELDS
     assert lua["APIKEY_PREFIX"] == keys.APIKEY_PREFIX and lua["APIKEY_INDEX"] == keys.APIKEY_INDEX
     assert lua["apikey"] == keys.apikey_key("d1")
+    assert lua["RATELIMIT_PREFIX"] == keys.RATELIMIT_PREFIX
     assert lua["node_load"] == keys.node_load_key("p1") == "kvgate:load:p1"
 
 

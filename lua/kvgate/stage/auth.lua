@@ -9,7 +9,7 @@
 -- key is never echoed nor logged. The Authorization header is removed before the request goes
 -- on: engines never see tenants' keys.
 --   kctx.tenant = {id = tenant id, scope = cache scope ("t.<id>" | "g.<group>"),
---                  models = set of allowed models | nil (all)}
+--                  models = set of allowed models | nil (all), key_id = the API key's id | nil}
 local errors = require "kvgate.errors"
 local tenant = require "kvgate.tenant"
 
@@ -43,11 +43,13 @@ function _M.access(kctx, cfg)
         return refuse(IN_QUERY)
     end
     local token, why = tenant.bearer(ngx.req.get_headers()["authorization"])
-    local id
+    local id, key_id
     if token then
-        local terr
-        id, terr = tenant.resolve(cfg, token)
-        if not id then
+        local found, second = tenant.resolve(cfg, token)
+        if found then
+            id, key_id = found, second
+        else
+            local terr = second
             if terr == "unavailable" then
                 ngx.header["Retry-After"] = "5"
                 return errors.send(503, UNAVAILABLE, "auth_unavailable", nil, "server_error")
@@ -69,6 +71,7 @@ function _M.access(kctx, cfg)
     kt.id = id
     kt.scope = t.scope
     kt.models = t.models
+    kt.key_id = key_id
 end
 
 return _M

@@ -1,0 +1,419 @@
+-- Tenants' limits (issue 12 items 2, 3, 5; docs/tenants.md, Limits): token buckets in Redis,
+-- shared by every nginx worker and every gateway on the same Redis.
+--
+-- Each limit is a bucket holding at most one minute's worth (`cap` = the per-minute limit),
+-- refilled continuously at cap/60 s: a burst of the whole minute is admitted at once, then the
+-- rate. A bucket is a Redis hash {t = tokens left, ts = when (ms), n = requests admitted while
+-- it lived} whose TTL is the time it needs to be full again (≤ one window, so 0 < TTL ≤ 2
+-- windows always holds): a full bucket is an absent key. Nothing is keyed by a wall-clock
+-- minute, so 10:37 on one day never meets 10:37 on the next. Concurrency is a sorted set of
+-- request ids scored by when their slot expires (a gateway that dies frees its slots after
+-- cfg.limits.slot_ttl_s).
+--
+-- ADMIT checks every bucket of a request first and writes only when all admit (all or
+-- nothing), each write followed by its PEXPIRE in the same script: no key is left without a
+-- TTL, whatever fails (a failing read fails the script before any write; scripts run
+-- atomically). The gateway passes its clock (ms) so tests can run the script on a fake one.
+--
+-- Tokens: the prompt estimate (kvgate.balancer.load.estimate) + max_tokens (or
+-- cfg.limits.default_max_tokens) are taken at admission; when the request ends, SETTLE gives
+-- back the difference to the answer's `usage.total_tokens` (or takes the excess), and the
+-- concurrency slot is released; both from a timer, batched per worker (never in the request).
+--
+-- Redis unreachable: cfg.limits.on_redis_error = "allow" counts the request in this gateway's
+-- own fixed windows (kvgate_state dict, keyed by the minute's index since the epoch, at
+-- fallback_factor × each limit); "deny" answers 429. Counted in
+-- kvgate_ratelimit_redis_errors_total; never a 5xx.
+local keys = require "kvgate.keys"
+local kredis = require "kvgate.redis"
+local hash = require "kvgate.hash"
+local log = require "kvgate.log"
+
+local ngx = ngx
+local floor = math.floor
+local ceil = math.ceil
+local min = math.min
+local format = string.format
+local tostring = tostring
+local tonumber = tonumber
+local type = type
+local sub = string.sub
+local find = string.find
+local match = string.match
+local concat = table.concat
+
+local _M = {}
+
+_M.WINDOW_MS = 60000
+
+-- KEYS: the buckets. ARGV[1]: now (ms); then per bucket 4 values: kind ("b" bucket | "c"
+-- concurrency), cap, window (ms; for "c" the slot's lifetime), cost (for "c" the request id).
+-- -> {1, left_1, ..., left_n} | {0, i (the refusing bucket), retry_ms, left_i}
+_M.ADMIT = [[
+local now = tonumber(ARGV[1])
+local n = #KEYS
+local left = {}
+for i = 1, n do
+  local b = 1 + (i - 1) * 4
+  local kind, cap, win = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
+  if kind == "b" then
+    local h = redis.call("HMGET", KEYS[i], "t", "ts")
+    local t, ts = tonumber(h[1]), tonumber(h[2])
+    local rate = cap / win
+    if not t then t = cap elseif now > ts then t = math.min(cap, t + (now - ts) * rate) end
+    local cost = tonumber(ARGV[b + 4])
+    if t < cost then
+      local need = math.min(cost, cap) - t
+      return {0, i, math.ceil(need / rate), math.floor(t)}
+    end
+    left[i] = t - cost
+  else
+    redis.call("ZREMRANGEBYSCORE", KEYS[i], "-inf", now)
+    local used = redis.call("ZCARD", KEYS[i])
+    if used >= cap then
+      return {0, i, 1000, 0}
+    end
+    left[i] = cap - used - 1
+  end
+end
+local out = {1}
+for i = 1, n do
+  local b = 1 + (i - 1) * 4
+  local kind, cap, win = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
+  if kind == "b" then
+    redis.call("HSET", KEYS[i], "t", tostring(left[i]), "ts", tostring(now))
+    redis.call("HINCRBY", KEYS[i], "n", 1)
+    redis.call("PEXPIRE", KEYS[i], math.max(1, math.ceil((cap - left[i]) * win / cap)))
+  else
+    redis.call("ZADD", KEYS[i], now + win, ARGV[b + 4])
+    redis.call("PEXPIRE", KEYS[i], win)
+  end
+  out[i + 1] = math.floor(left[i])
+end
+return out
+]]
+
+-- KEYS[1]: a token bucket; ARGV: now (ms), cap, window (ms), delta (tokens given back; < 0
+-- takes more). A bucket that expired meanwhile is full: nothing to give back, an excess is
+-- taken from a full one. -> tokens left
+_M.SETTLE = [[
+local now, cap, win, delta = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local h = redis.call("HMGET", KEYS[1], "t", "ts")
+local t, ts = tonumber(h[1]), tonumber(h[2])
+if not t then
+  if delta >= 0 then return cap end
+  t = cap
+elseif now > ts then
+  t = math.min(cap, t + (now - ts) * cap / win)
+end
+t = math.min(cap, t + delta)
+redis.call("HSET", KEYS[1], "t", tostring(t), "ts", tostring(now))
+redis.call("PEXPIRE", KEYS[1], math.max(1, math.ceil((cap - t) * win / cap)))
+return math.floor(t)
+]]
+
+local sha = {}
+local function sha_of(name)
+    local s = sha[name]
+    if not s then
+        s = hash.to_hex(ngx.sha1_bin(_M[name]))
+        sha[name] = s
+    end
+    return s
+end
+
+--- bucket_key(tenant, name[, sub]) -> "kvgate:rl:<tenant>:<name>" or "kvgate:rl:<tenant>:<sub>:<name>"
+function _M.bucket_key(tenant, name, part)
+    if part then
+        return keys.RATELIMIT_PREFIX .. tenant .. ":" .. part .. ":" .. name
+    end
+    return keys.RATELIMIT_PREFIX .. tenant .. ":" .. name
+end
+
+--- duration(ms) -> OpenAI's reset format: "20ms", "1s", "1.5s", "6m0s"
+function _M.duration(ms)
+    if ms < 1000 then
+        return format("%dms", ms < 0 and 0 or ceil(ms))
+    end
+    local s = ms / 1000
+    if s < 60 then
+        if s == floor(s) then
+            return format("%ds", s)
+        end
+        return format("%.1fs", s)
+    end
+    return format("%dm%ds", floor(s / 60), floor(s % 60))
+end
+
+--- plan(t_id, lim, kt, route, tokens, slot_ttl_ms, request_id) -> buckets
+-- buckets: list of {key, kind, cap, win, cost, name} for the limits that apply (lim: the
+-- tenant's limits from kvgate.json; kt: kctx.tenant (key_id); route: kctx.route)
+function _M.plan(t_id, lim, kt, route, tokens, slot_ttl_ms, request_id)
+    local b, n = {}, 0
+    local function add(key, kind, cap, win, cost, name)
+        n = n + 1
+        b[n] = { key = key, kind = kind, cap = cap, win = win, cost = cost, name = name }
+    end
+    if lim.rpm then
+        add(_M.bucket_key(t_id, "rpm"), "b", lim.rpm, _M.WINDOW_MS, 1, "rpm")
+    end
+    if lim.tpm then
+        add(_M.bucket_key(t_id, "tpm"), "b", lim.tpm, _M.WINDOW_MS, tokens, "tpm")
+    end
+    if lim.session_rpm and route.kind == "session" and route.key and route.key ~= "" then
+        add(_M.bucket_key(t_id, "rpm", "s:" .. sub(hash.sha256_hex(route.key), 1, 16)), "b", lim.session_rpm,
+            _M.WINDOW_MS, 1, "session_rpm")
+    end
+    if kt.key_id then
+        if lim.key_rpm then
+            add(_M.bucket_key(t_id, "rpm", "k:" .. kt.key_id), "b", lim.key_rpm, _M.WINDOW_MS, 1, "key_rpm")
+        end
+        if lim.key_tpm then
+            add(_M.bucket_key(t_id, "tpm", "k:" .. kt.key_id), "b", lim.key_tpm, _M.WINDOW_MS, tokens, "key_tpm")
+        end
+    end
+    if lim.concurrency then
+        add(_M.bucket_key(t_id, "concurrency"), "c", lim.concurrency, slot_ttl_ms, request_id, "concurrency")
+    end
+    return b
+end
+
+--- admit_redis(redis_cfg, buckets, now_ms) -> ok, detail | nil, err
+-- ok true: detail = left per bucket; ok false: detail = {index, retry_ms, left}
+function _M.admit_redis(redis_cfg, buckets, now_ms)
+    local n = #buckets
+    local args = { "evalsha", sha_of("ADMIT"), n }
+    for i = 1, n do
+        args[3 + i] = buckets[i].key
+    end
+    local a = 3 + n
+    args[a + 1] = format("%d", now_ms)
+    for i = 1, n do
+        local bk = buckets[i]
+        local j = a + 1 + (i - 1) * 4
+        args[j + 1] = bk.kind
+        args[j + 2] = bk.cap
+        args[j + 3] = bk.win
+        args[j + 4] = bk.cost
+    end
+    local replies, err = kredis.pipeline(redis_cfg, { args })
+    if not replies then
+        return nil, err
+    end
+    local r = replies[1]
+    if type(r) == "table" and r[1] == false and find(tostring(r[2]), "NOSCRIPT", 1, true) then
+        args[1], args[2] = "eval", _M.ADMIT
+        replies, err = kredis.pipeline(redis_cfg, { args })
+        if not replies then
+            return nil, err
+        end
+        r = replies[1]
+    end
+    if type(r) ~= "table" or r[1] == false then
+        return nil, "admit: " .. tostring(r and r[2])
+    end
+    if r[1] == 1 then
+        local left = {}
+        for i = 1, n do
+            left[i] = r[i + 1]
+        end
+        return true, left
+    end
+    return false, { r[2], r[3], r[4] }
+end
+
+-- the fallback: this gateway's fixed windows (the minute's index since the epoch) in kvgate_state
+local function admit_local(buckets, now_s, factor)
+    local d = ngx.shared.kvgate_state
+    local w = floor(now_s / 60)
+    local taken = {}
+    for i = 1, #buckets do
+        local bk = buckets[i]
+        local k, cost, cap
+        if bk.kind == "b" then
+            k = "rl:" .. bk.key .. ":" .. w
+            cost = bk.cost
+            cap = bk.cap * factor
+        else
+            k = "rl:" .. bk.key
+            cost = 1
+            cap = bk.cap * factor
+        end
+        local v = d:incr(k, cost, 0, bk.kind == "b" and 120 or 0)
+        taken[i] = { k, cost }
+        if not v or v > cap then
+            for j = 1, i do
+                d:incr(taken[j][1], -taken[j][2], 0)
+            end
+            local retry = bk.kind == "b" and (60 - now_s % 60) * 1000 or 1000
+            return false, { i, retry, 0 }
+        end
+    end
+    return true, nil, taken
+end
+
+--- release_local(taken): give back the concurrency counts of a fallback admission
+function _M.release_local(buckets, taken)
+    local d = ngx.shared.kvgate_state
+    for i = 1, #buckets do
+        if buckets[i].kind == "c" and taken[i] then
+            d:incr(taken[i][1], -1, 0)
+        end
+    end
+end
+
+--- admit(cfg, buckets) -> true, left | false, {i, retry_ms, left} , how ("redis"|"local"|"deny")
+function _M.admit(cfg, buckets)
+    local now_s = ngx.now()
+    if not kredis.down() then
+        local ok, detail = _M.admit_redis(cfg.redis, buckets, floor(now_s * 1000))
+        if ok ~= nil then
+            return ok, detail, "redis"
+        end
+        kredis.trip()
+        log.warn_every("limits-redis", 10, "kvgate limits: Redis unreachable (", detail, "): ",
+            cfg.limits.on_redis_error == "deny" and "denying limited requests" or
+            "each gateway counts its own fallback limits")
+    end
+    if cfg.limits.on_redis_error == "deny" then
+        return false, { 0, 5000, 0 }, "deny"
+    end
+    local ok, detail, taken = admit_local(buckets, now_s, cfg.limits.fallback_factor or 1)
+    return ok, ok and taken or detail, "local"
+end
+
+-- --------------------------------------------------------------------------- settling
+local queue, nqueue = {}, 0
+local flushing = false
+
+local function flush(premature, cfg_of)
+    flushing = false
+    if nqueue == 0 then
+        return
+    end
+    local cfg = cfg_of()
+    local batch = queue
+    queue, nqueue = {}, 0
+    local cmds, n = {}, 0
+    local settle_sha = sha_of("SETTLE")
+    for i = 1, #batch do
+        local s = batch[i]
+        if s.zrem then
+            n = n + 1
+            cmds[n] = { "zrem", s.zrem, s.member }
+        else
+            n = n + 1
+            cmds[n] = { "evalsha", settle_sha, 1, s.key, s.now, s.cap, s.win, s.delta }
+        end
+    end
+    local replies, err = kredis.pipeline(cfg.redis, cmds)
+    if not replies then
+        log.warn_every("limits-settle", 10, "kvgate limits: ", n, " settlements lost: ", err)
+        return
+    end
+    -- a Redis that lost its scripts (restart, SCRIPT FLUSH): once more with EVAL
+    local again, m = {}, 0
+    for i = 1, n do
+        local r = replies[i]
+        if type(r) == "table" and r[1] == false and find(tostring(r[2]), "NOSCRIPT", 1, true) then
+            local c = cmds[i]
+            m = m + 1
+            again[m] = { "eval", _M.SETTLE, 1, c[4], c[5], c[6], c[7], c[8] }
+        end
+    end
+    if m > 0 then
+        kredis.pipeline(cfg.redis, again)
+    end
+end
+
+local function enqueue(item, cfg_of)
+    nqueue = nqueue + 1
+    queue[nqueue] = item
+    if not flushing then
+        flushing = true
+        local ok, err = ngx.timer.at(0, flush, cfg_of)
+        if not ok then
+            flushing = false
+            log.warn_every("limits-timer", 10, "kvgate limits: no timer for settlements: ", err)
+        end
+    end
+end
+
+--- settle(l, used_tokens, cfg_of): the request is over (log phase): its concurrency slot
+-- back, the difference between its reserved and used tokens back to its token buckets
+-- (l: kctx.limit; used_tokens nil = unknown: the reservation stands)
+function _M.settle(l, used_tokens, cfg_of)
+    local buckets = l.buckets
+    if not buckets or l.settled then
+        return
+    end
+    l.settled = true
+    if l.how == "local" then
+        _M.release_local(buckets, l.taken)
+        return
+    end
+    if l.how ~= "redis" then
+        return
+    end
+    local now_ms = format("%d", floor(ngx.now() * 1000))
+    for i = 1, #buckets do
+        local bk = buckets[i]
+        if bk.kind == "c" then
+            enqueue({ zrem = bk.key, member = bk.cost }, cfg_of)
+        elseif used_tokens and (bk.name == "tpm" or bk.name == "key_tpm") then
+            local delta = bk.cost - used_tokens
+            if delta ~= 0 then
+                enqueue({ key = bk.key, now = now_ms, cap = bk.cap, win = bk.win, delta = delta }, cfg_of)
+            end
+        end
+    end
+end
+
+-- --------------------------------------------------------------------------- usage
+_M.TAIL_BYTES = 2048
+
+--- tail(prev, chunk) -> the last TAIL_BYTES of prev .. chunk (where `usage` sits: the end of
+-- a JSON answer, the last data events of a stream)
+function _M.tail(prev, chunk)
+    if not chunk or chunk == "" then
+        return prev
+    end
+    local s = prev and prev .. chunk or chunk
+    if #s > _M.TAIL_BYTES then
+        s = sub(s, -_M.TAIL_BYTES)
+    end
+    return s
+end
+
+--- used_tokens(tail) -> usage.total_tokens (or prompt + completion) of the answer's end, or nil
+function _M.used_tokens(tail)
+    if not tail then
+        return nil
+    end
+    local at = nil
+    local from = 1
+    while true do
+        local s = find(tail, '"usage"', from, true)
+        if not s then
+            break
+        end
+        at = s
+        from = s + 7
+    end
+    if not at then
+        return nil
+    end
+    local u = sub(tail, at)
+    local total = match(u, '"total_tokens"%s*:%s*(%d+)')
+    if total then
+        return tonumber(total)
+    end
+    local p = match(u, '"prompt_tokens"%s*:%s*(%d+)')
+    local c = match(u, '"completion_tokens"%s*:%s*(%d+)')
+    if p and c then
+        return tonumber(p) + tonumber(c)
+    end
+    return nil
+end
+
+return _M
