@@ -246,6 +246,28 @@ H.test("bound_factor must be > 1; a new runtime keeps the ring", function()
     H.truthy(b2.ring.hashes == b.ring.hashes, "same points reused")
 end)
 
+H.test("a shared-prefix key (route.shared) is bounded at its plain share: the hot key evens out", function()
+    reset()
+    local p, prt = pool({ 100, 100, 100, 100 }, { bound_factor = 2 })
+    local b = assert(cb.new(p, prt))
+    local held, per = {}, {}
+    for i = 1, 40 do
+        ngx.ctx = {}
+        local kctx = kvctx.get()
+        kctx.route.key = "p:shared"
+        kctx.route.shared = true
+        kctx.req.body = string.rep("x", 400)
+        cb.balance(b)
+        held[i] = kctx
+        per[kctx.balancer.node] = (per[kctx.balancer.node] or 0) + 1
+    end
+    for _, node in ipairs({ "n1", "n2", "n3", "n4" }) do
+        H.eq(per[node], 10, node) -- c 1: within one request of the mean (c 2 would allow 20)
+    end
+    for i = 1, 40 do load.finish(held[i].log) end
+    H.eq(total(), 0)
+end)
+
 H.test("bound_load requests: every request counts 1, whatever its size", function()
     reset()
     local p, prt = pool({ 100, 100 }, { bound_load = "requests" })

@@ -12,7 +12,12 @@
 --     not refused by its idle home for its own size; `load + cost <= c × (total + cost) ...`
 --     without the ceiling spilled 23 % of the demo's requests and lost a third of chash's
 --     hits: docs/benchmarks.md)
---     c     the pool's bound_factor (> 1; the runtime's, default BOUND_FACTOR)
+--     c     the pool's bound_factor (> 1; the runtime's, default BOUND_FACTOR); SHARED_FACTOR
+--           for a key the route stage flagged as covering only a prefix many conversations
+--           share (kctx.route.shared: a window inside the system prompt, a hot completions
+--           prefix): such a key carries no affinity worth a queue (every node soon holds
+--           the shared prefix), so it goes to the first node of its walk under its plain
+--           share of the pool's load
 --     load  (bound_load "prefill_tokens", the default) the node's in-flight prefill work: the
 --           estimated prompt tokens of the requests
 --           routed to it and not yet ended (kvgate.balancer.load, all workers), plus its
@@ -63,6 +68,7 @@ local _M = {}
 
 _M.NAME = "chash_bounded"
 _M.BOUND_FACTOR = 1.25
+_M.SHARED_FACTOR = 1
 -- the weight of a new pick in this worker's mean request estimate (an EWMA over ~32 picks)
 _M.AVG_ALPHA = 1 / 32
 
@@ -130,6 +136,7 @@ end
 function _M.start(b, st, kctx)
     peers.start(b, st, kctx)
     st.holder = kctx.log
+    st.c = kctx.route.shared and _M.SHARED_FACTOR or b.c
     if b.requests then
         st.cost = 1
         return
@@ -218,6 +225,7 @@ function _M.pick(b, st, tried)
     s.calls = 0
     s.why = nil
     s.avg = b.avg
+    s.c = st.c or b.c
     local d = dict()
     s.total = (d and d:get(b.total_key) or 0) + pool_waiting(b.pool) * b.avg
     local node, home = find(b.ring, point, skip, s)
