@@ -41,6 +41,8 @@ local sub = string.sub
 local find = string.find
 local match = string.match
 local concat = table.concat
+local byte = string.byte
+local gsub = string.gsub
 
 local _M = {}
 
@@ -414,6 +416,80 @@ function _M.used_tokens(tail)
         return tonumber(p) + tonumber(c)
     end
     return nil
+end
+
+-- --------------------------------------------------------------------------- streams
+_M.STREAM_USAGE = ',"stream_options":{"include_usage":true}}'
+_M.MAX_PENDING = 65536
+
+--- ask_usage(body) -> the body with `"stream_options":{"include_usage":true}` as its last
+-- member, or nil (not an object with members). Appended, not re-encoded: the engine gets the
+-- client's bytes otherwise unchanged (a request that has stream_options already is left alone
+-- by the caller: the last of two equal members would win).
+function _M.ask_usage(body)
+    local i = #body
+    local b = byte(body, i)
+    while i > 1 and (b == 32 or b == 10 or b == 13 or b == 9) do
+        i = i - 1
+        b = byte(body, i)
+    end
+    if b ~= 125 then -- }
+        return nil
+    end
+    local j = i - 1
+    local p = byte(body, j)
+    while j > 1 and (p == 32 or p == 10 or p == 13 or p == 9) do
+        j = j - 1
+        p = byte(body, j)
+    end
+    if p == 123 then -- {}: no members
+        return nil
+    end
+    return sub(body, 1, i - 1) .. _M.STREAM_USAGE .. sub(body, i + 1)
+end
+
+--- strip_usage(l, chunk, eof) -> what the client gets of this chunk
+-- Undoes what include_usage adds to a stream: the last event (`"choices": []` with a usage
+-- object) is dropped, and a `"usage": null` member at the end of every other event (OpenAI's
+-- and the simulator's shape; vLLM leaves it out) is removed. Events are cut at their blank
+-- line; the part of an event not yet complete waits in l.pending for the next chunk (at most
+-- MAX_PENDING bytes: past that, or at the end, it goes on as it is).
+function _M.strip_usage(l, chunk, eof)
+    local s = chunk or ""
+    if l.pending then
+        s = l.pending .. s
+        l.pending = nil
+    end
+    local out, n, pos = {}, 0, 1
+    while true do
+        local _, e = find(s, "\n\r?\n", pos)
+        if not e then
+            break
+        end
+        local ev = sub(s, pos, e)
+        pos = e + 1
+        if find(ev, '"usage"', 1, true) then
+            if find(ev, '"choices"%s*:%s*%[%s*%]') and not find(ev, '"usage"%s*:%s*null') then
+                ev = nil
+            else
+                ev = gsub(ev, ',%s*"usage"%s*:%s*null%s*(}%s*)$', "%1", 1)
+            end
+        end
+        if ev then
+            n = n + 1
+            out[n] = ev
+        end
+    end
+    if pos <= #s then
+        local rest = sub(s, pos)
+        if eof or #rest > _M.MAX_PENDING then
+            n = n + 1
+            out[n] = rest
+        else
+            l.pending = rest
+        end
+    end
+    return concat(out, "", 1, n)
 end
 
 return _M

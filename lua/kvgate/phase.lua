@@ -128,14 +128,27 @@ function _M.body_filter()
         end
     end
     local l = kctx.limit
+    local chunk
     if l.tpm then
         -- the answer's end, where its usage is, for the tokens-per-minute settlement
-        l.tail = limits.tail(l.tail, ngx.arg[1])
+        chunk = ngx.arg[1]
+        l.tail = limits.tail(l.tail, chunk)
+        if l.strip then
+            -- the usage the gateway asked for on the client's behalf: taken out again, so the
+            -- client (and the cache's copy) get exactly the stream they asked for
+            if eof == nil then
+                eof = ngx.arg[2]
+            end
+            chunk = limits.strip_usage(l, chunk, eof)
+            ngx.arg[1] = chunk
+        end
     end
     if not guard and not c.capture then
         return
     end
-    local chunk = ngx.arg[1]
+    if chunk == nil then
+        chunk = ngx.arg[1]
+    end
     if eof == nil then
         eof = ngx.arg[2]
     end

@@ -58,6 +58,12 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, Gat
         yield gw1, gw2, ApiKeys(Store(redis.url))
 
 
+def left(r, key: str, cap: float) -> float:
+    """Tokens left in a bucket: an absent key is a full bucket."""
+    t = r.hget(key, "t")
+    return cap if t is None else float(t)
+
+
 def auth(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}
 
@@ -110,12 +116,12 @@ def test_tokens_are_settled_to_the_answers_usage(two) -> None:
     assert resp.headers["x-ratelimit-limit-tokens"] == "5000"
     assert int(resp.headers["x-ratelimit-remaining-tokens"]) <= 5000 - 1024
     deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and float(r.hget("kvgate:rl:tpm:tpm", "t") or 5000) < 4500:
+    while time.monotonic() < deadline and left(r, "kvgate:rl:tpm:tpm", 5000) < 4500:
         time.sleep(0.05)
-    left = float(r.hget("kvgate:rl:tpm:tpm", "t") or 5000)
+    now_left = left(r, "kvgate:rl:tpm:tpm", 5000)
     refill = 5000 / 60 * (time.monotonic() - t0)
     # settled: only `used` is gone (plus the refill since); unsettled it would be ~1030 gone
-    assert 5000 - used - 1 <= left <= min(5000, 5000 - used + refill + 1), (left, used, refill)
+    assert 5000 - used - 1 <= now_left <= min(5000, 5000 - used + refill + 1), (now_left, used, refill)
 
 
 def test_streams_are_settled_from_their_usage_chunk(two) -> None:
@@ -127,9 +133,9 @@ def test_streams_are_settled_from_their_usage_chunk(two) -> None:
     assert resp.status_code == 200
     assert '"usage"' in resp.text
     deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and float(r.hget("kvgate:rl:tpm:tpm", "t") or 0) < 4500:
+    while time.monotonic() < deadline and left(r, "kvgate:rl:tpm:tpm", 5000) < 4500:
         time.sleep(0.05)
-    assert float(r.hget("kvgate:rl:tpm:tpm", "t")) >= 4500  # the 1024 reserved came back
+    assert left(r, "kvgate:rl:tpm:tpm", 5000) >= 4500  # the 1024 reserved came back
 
 
 def test_a_request_larger_than_the_tpm_is_refused_at_once(two) -> None:
@@ -198,3 +204,31 @@ def test_redis_stopped_keeps_serving_under_the_fallback_limit(tmp_path: Path) ->
             gw.stop()
         _stop_all(sims)
         redis.stop()
+
+
+def _normalized(text: str) -> str:
+    import re
+
+    return re.sub(r'"created": ?\d+', '"created": 0', re.sub(r'"id": ?"[^"]+"', '"id": "x"', text))
+
+
+def test_a_stream_without_usage_is_byte_identical_and_still_settled(two) -> None:
+    """The gateway asks the engine for the usage chunk of a TPM-limited stream and strips it
+    (and every `"usage": null`): the client gets the stream it asked for."""
+    gw1, _, keys = two
+    _, limited = keys.create("tpm")
+    r = gw1.redis.client()
+    r.delete("kvgate:rl:tpm:tpm")
+    # deterministic text (temperature 0, a seed) from the engine itself (no-store: no cache)
+    body = {"max_tokens": 6, "stream": True, "temperature": 0, "seed": 11}
+    got = post(gw1, limited, "a stream for the tpm tenant", headers={"Cache-Control": "no-store"}, **body)
+    plain = requests.post(gw1.url + "/v1/chat/completions", timeout=30, headers={"Cache-Control": "no-store"}, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "a stream for the tpm tenant"}], **body})
+    assert got.status_code == plain.status_code == 200
+    assert '"usage"' not in got.text and got.text.endswith("data: [DONE]\n\n")
+    assert _normalized(got.text) == _normalized(plain.text)
+    # settled from the usage chunk the client never saw: ~1/6 of the reservation stays taken
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and left(r, "kvgate:rl:tpm:tpm", 5000) < 4900:
+        time.sleep(0.05)
+    assert left(r, "kvgate:rl:tpm:tpm", 5000) >= 4900

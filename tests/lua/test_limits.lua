@@ -91,4 +91,44 @@ H.test("the fallback: fixed windows per gateway, all or nothing, concurrency giv
     H.truthy(d[2] > 0)
 end)
 
+H.test("ask_usage: appended as the last member, whitespace kept, nothing for {}", function()
+    H.eq(limits.ask_usage('{"model":"m","stream":true}'), '{"model":"m","stream":true,"stream_options":{"include_usage":true}}')
+    H.eq(limits.ask_usage('{"a":1}\n  '), '{"a":1,"stream_options":{"include_usage":true}}\n  ')
+    H.eq(limits.ask_usage('{ }'), nil)
+    H.eq(limits.ask_usage('[1]'), nil)
+end)
+
+local function strip_all(chunks)
+    local l, out = {}, {}
+    for i, c in ipairs(chunks) do
+        out[#out + 1] = limits.strip_usage(l, c, i == #chunks)
+    end
+    return table.concat(out), l
+end
+
+H.test("strip_usage: the usage event and every usage null go, in any chunking", function()
+    local with = 'data: {"id": "x", "choices": [{"delta": {"content": "hi"}}], "usage": null}\n\n' ..
+        'data: {"id": "x", "choices": [{"delta": {"content": " \\"usage\\": null"}}], "usage": null}\n\n' ..
+        'data: {"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}\n\n' ..
+        'data: [DONE]\n\n'
+    local without = 'data: {"id": "x", "choices": [{"delta": {"content": "hi"}}]}\n\n' ..
+        'data: {"id": "x", "choices": [{"delta": {"content": " \\"usage\\": null"}}]}\n\n' ..
+        'data: [DONE]\n\n'
+    H.eq(strip_all({ with }), without)
+    for cut = 1, #with - 1 do
+        H.eq(strip_all({ with:sub(1, cut), with:sub(cut + 1) }), without, "cut at " .. cut)
+    end
+    -- byte by byte
+    local bytes = {}
+    for i = 1, #with do
+        bytes[i] = with:sub(i, i)
+    end
+    H.eq(strip_all(bytes), without)
+    -- vLLM's shape (no usage null) and \r\n blank lines pass unchanged
+    local v = 'data: {"choices":[{"delta":{}}]}\r\n\r\ndata: [DONE]\r\n\r\n'
+    H.eq(strip_all({ v }), v)
+    -- an unfinished event goes on at the end
+    H.eq(strip_all({ 'data: {"a":1}\n\ndata: {"b"' }), 'data: {"a":1}\n\ndata: {"b"')
+end)
+
 H.done()

@@ -16,6 +16,7 @@ local type = type
 local ceil = math.ceil
 local floor = math.floor
 local tostring = tostring
+local set_body_data = ngx.req.set_body_data
 
 local M = keys.METRICS
 
@@ -95,6 +96,15 @@ function _M.access(kctx, cfg)
         l.buckets = buckets
         l.how = how
         l.tpm = lim.tpm ~= nil or (lim.key_tpm ~= nil and kt.key_id ~= nil)
+        if l.tpm and req.stream == true and req.stream_options == nil then
+            -- a stream's tokens are in its usage chunk: ask the engine for it (the client
+            -- did not; strip_usage takes it out again on the way back)
+            local body = limits.ask_usage(r.body)
+            if body then
+                set_body_data(body)
+                l.strip = true
+            end
+        end
         if how == "redis" then
             headers(buckets, detail)
         else
