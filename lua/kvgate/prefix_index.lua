@@ -14,16 +14,20 @@
 --
 -- Store: lua_shared_dict kvgate_prefix (all workers), one entry per (chunk, node):
 --   key   8 bytes: chain hash XOR the node's salt (a 64-bit hash of pool and node id)
---   value the node's write stamp when the chunk was (re)written there
+--   value the chunk's stamp on the node's write counter when it was (re)written there
 --   ttl   ttl_s (entries of a node that stops serving, or of a restarted engine, age out)
 --   "c:<pool>:<id>"  the node's write counter: bytes of new prefix recorded on it so far
--- Capacity: an engine evicts least recently used blocks once full, so a chunk written (or
--- touched) at stamp S is taken as gone once the node has been given capacity_chars more
--- new bytes (counter − S ≥ capacity_chars): the node's KV capacity (vllm:cache_config_info
--- num_gpu_blocks × block_size tokens, from the policy: the gateway has no engine figures)
--- times chars_per_token. Reused chunks are re-stamped (an LRU touch) when they are older
--- than a quarter of the capacity, so most hits write nothing. The dict itself is LRU when
--- full (set() evicts the least recently used entries): a bound on memory, not on truth.
+-- Capacity: an engine evicts least recently used blocks once full, so a chunk stamped S is
+-- taken as gone once the node has been given capacity_chars more new bytes (counter − S ≥
+-- capacity_chars): the node's KV capacity (vllm:cache_config_info num_gpu_blocks ×
+-- block_size tokens, from the policy: the gateway has no engine figures) times
+-- chars_per_token. A prompt's chunks are stamped as vLLM frees a finished sequence's blocks,
+-- tail first: the head gets the counter, each chunk before the tail one chunk less, so under
+-- pressure the end of a prompt goes before its (more shared) beginning and what the index
+-- still holds of a chain is always a leading part of it. Reused chunks are re-stamped (an
+-- LRU touch) when older than a quarter of the capacity, so most hits write nothing. The dict
+-- itself is LRU when full (set() evicts the least recently used entries): a bound on
+-- memory, not on truth.
 -- Races between workers lose at most a stamp; the index is approximate by design.
 local ffi = require "ffi"
 local bit = require "bit"
@@ -155,9 +159,10 @@ local function counter(d, ckey)
     return tonumber(d:get(ckey)) or 0
 end
 
---- match(index, slot, n) -> depth, oldest, count: how many leading chunks of the chain in
--- _M.hashes[0 .. n-1] the node still holds (0 .. n), the oldest stamp among them, and the
--- node's write counter. One dict read per chunk held, plus two.
+--- match(index, slot, n) -> depth, head, count: how many leading chunks of the chain in
+-- _M.hashes[0 .. n-1] the node still holds (0 .. n), the first chunk's stamp (when the chain
+-- was last written there: nil when depth is 0), and the node's write counter. One dict read
+-- per chunk held, plus two.
 function _M.match(index, slot, n)
     local d = index.dict
     if not d or n == 0 then
@@ -165,25 +170,25 @@ function _M.match(index, slot, n)
     end
     local c = counter(d, slot.ckey)
     local cap, salt = index.cap, slot.salt
-    local oldest
+    local head
     for k = 0, n - 1 do
         local v = d:get(key(k, salt))
         -- a stamp above the counter: the counter was evicted or reset, the entry is stale
         if not v or c - v >= cap or v > c then
-            return k, oldest, c
+            return k, head, c
         end
-        if not oldest or v < oldest then
-            oldest = v
+        if k == 0 then
+            head = v
         end
     end
-    return n, oldest, c
+    return n, head, c
 end
 
---- record(index, slot, n, depth, oldest): the node computes the chain in _M.hashes[0 .. n-1],
+--- record(index, slot, n, depth, head): the node computes the chain in _M.hashes[0 .. n-1],
 -- of which it held the first `depth` chunks (match()'s figures): the new chunks are written
--- with the node's new stamp, the held ones re-stamped when older than a quarter of the
--- capacity. Shared-dict writes only (balancer or log phase).
-function _M.record(index, slot, n, depth, oldest)
+-- with their stamps, the held ones re-stamped when the chain was last written more than a
+-- quarter of the capacity ago. Shared-dict writes only (balancer or log phase).
+function _M.record(index, slot, n, depth, head)
     local d = index.dict
     if not d or n == 0 then
         return
@@ -196,13 +201,14 @@ function _M.record(index, slot, n, depth, oldest)
         end
         return
     end
-    local salt, ttl = slot.salt, index.ttl
+    local salt, ttl, chunk = slot.salt, index.ttl, index.chunk
     local from = depth
-    if depth > 0 and oldest and c - oldest > index.cap / 4 then
+    if depth > 0 and head and c - head > index.cap / 4 then
         from = 0
     end
+    -- the tail is the least recent (freed first): chunk k is stamped k chunks before the head
     for k = from, n - 1 do
-        d:set(key(k, salt), c, ttl)
+        d:set(key(k, salt), c - k * chunk, ttl)
     end
 end
 

@@ -13,12 +13,15 @@
 --   2. pick: a node is eligible when chash_bounded would let the request stay there (taking
 --      traffic, not failed or tried, its engine's queue at most saturated_queue, in-flight
 --      prefill work + this request's uncached tokens within bound_factor × its weighted share:
---      chash_bounded.eligible). The eligible node with the longest match wins. Ties and no
---      match walk the ring to the first eligible (tied) node, from the point of the session or
---      user key when the client sent one, else of the request's first chunk that no node holds
---      (what tells this conversation from the others sharing its system prompt: the window,
---      found per request). A longest match given up for the bound or the queue is a spill
---      (kvgate_route_spill_total{node = the node given up}).
+--      chash_bounded.eligible). The eligible node with the longest match wins. Ties (and no
+--      match: every eligible node ties at 0) of a request with a session or user key walk the
+--      ring from the key's point to the first tied node (chash_bounded's choice among them);
+--      without such a key they go to the least loaded tied node (in-flight prefill per unit
+--      of weight: a tie means no node is better for the cache, so the request evens out the
+--      load), equal loads by the ring from the point of the request's first chunk that no node
+--      holds (what tells this conversation from the others sharing its system prompt: the
+--      window, found per request). A longest match given up for the bound or the queue is a
+--      spill (kvgate_route_spill_total{node = the node given up}).
 --   3. record: the picked node's chain goes into the index (shared-dict writes, allowed in
 --      balancer_by_lua), the request's tokens less what the node holds into its load.
 -- A retry (failover), a request without a full chunk of prompt, and a pool without the
@@ -90,7 +93,7 @@ function _M.new(pool, prt, prev)
     for _, node in ipairs(b.nodes) do
         local old = prev and prev.by_id and prev.by_id[node.id]
         node.pfx = old and old.pfx or index_mod.slot(idx, node.id)
-        node.depth, node.oldest, node.ok, node.tie = 0, nil, false, false
+        node.depth, node.head, node.ok, node.tie = 0, nil, false, false
     end
     return b
 end
@@ -118,18 +121,14 @@ function _M.start(b, st, kctx)
     end
     local held, ct = b.held, b.chunk_tokens
     for _, node in ipairs(b.nodes) do
-        local depth, oldest = 0, nil
+        local depth, head = 0, nil
         if node.w > 0 and not node.failed then
-            depth, oldest = match(idx, node.pfx, n)
+            depth, head = match(idx, node.pfx, n)
         end
-        node.depth, node.oldest = depth, oldest
+        node.depth, node.head = depth, head
         held[node.id] = depth * ct
     end
     st.held = held
-end
-
-local function skip_not_ok(node)
-    return not node.ok
 end
 
 local function skip_not_tie(node)
@@ -188,6 +187,7 @@ function _M.pick(b, st, tried)
                     cost = 0
                 end
                 node.cost = cost
+                node.share = l / node.w
                 if not eligible(l, cost, total, c, node.w, W) then
                     why = "bound"
                 end
@@ -203,24 +203,34 @@ function _M.pick(b, st, tried)
             end
         end
     end
-    local point = st.point
-    if not st.keyed or not point then
-        point = chain_point(best < n and best or n - 1)
-    end
-    local node
-    if best > 0 then
-        local ties, last = 0, nil
+    local keyed = st.keyed and st.point
+    local point = keyed and st.point or chain_point(best < n and best or n - 1)
+    -- the candidates: the eligible nodes with the longest match (every eligible node when none
+    -- matches); without a session/user key only the least loaded of them (load per weight): a
+    -- tie means no node is better for the cache, so the request evens out the load
+    local least
+    if not keyed then
         for i = 1, #nodes do
             local nd = nodes[i]
-            if nd.ok and nd.depth == best then
-                nd.tie = true
-                ties = ties + 1
-                last = nd
+            if nd.ok and nd.depth == best and (not least or nd.share < least) then
+                least = nd.share
             end
         end
-        node = ties == 1 and last or find(b.ring, point, skip_not_tie)
-    else
-        node = find(b.ring, point, skip_not_ok)
+    end
+    local ties, last = 0, nil
+    for i = 1, #nodes do
+        local nd = nodes[i]
+        if nd.ok and nd.depth == best and (not least or nd.share == least) then
+            nd.tie = true
+            ties = ties + 1
+            last = nd
+        end
+    end
+    local node
+    if ties == 1 then
+        node = last
+    elseif ties > 1 then
+        node = find(b.ring, point, skip_not_tie)
     end
     if not node then
         -- none eligible (every node saturated): chash_bounded's own fallback
@@ -231,7 +241,7 @@ function _M.pick(b, st, tried)
         st.spill = top_why
         spills(1, b.pool, top.id)
     end
-    record(b.index, node.pfx, n, node.depth, node.oldest)
+    record(b.index, node.pfx, n, node.depth, node.head)
     account(b, st, node, node.cost)
     st.depth = node.depth
     local home
