@@ -49,7 +49,7 @@ NODE_LOAD_FIELDS: tuple[str, ...] = ("received_at", "interval_s", "waiting", "ru
 queued / running requests; ``kv_use``: KV-cache use 0..1."""
 
 LOG_FIELDS: tuple[str, ...] = ("ts", "pool", "node", "status", "cache", "kind", "fp", "key", "ms", "point",
-                               "tries", "home", "spill")
+                               "tries", "home", "spill", "tenant")
 """The request-log entry's fields in XADD order (see ``keys.lua`` for each one's meaning);
 ``home`` (the key's home node, from the balancer) since issue 10, ``spill`` (``bound`` | ``queue``
 | ``""``: why a bounded balancer sent the key past its home) since issue 11: older entries lack them."""

@@ -65,8 +65,9 @@ end
 --   home    the key's home node on the ring (kctx.balancer.home; "" = not balanced)
 --   spill   why a bounded balancer sent the key past its home: "bound" (the home over its
 --           load bound) | "queue" (the home's engine queue over saturated_queue) | ""
+--   tenant  the tenant's id (kctx.tenant.id; "" with gateway.auth off)
 _M.LOG_FIELDS = { "ts", "pool", "node", "status", "cache", "kind", "fp", "key", "ms", "point", "tries", "home",
-                  "spill" }
+                  "spill", "tenant" }
 
 -- The gateway's metric families (/metrics), by short name
 _M.METRICS = {

@@ -103,7 +103,7 @@ local function child(t, v)
     return c
 end
 
-local function memo_key(memo, name, names, a, b, c, d, e)
+local function memo_key(memo, name, names, a, b, c, d, e, f)
     local n = #names
     local t, last
     if n == 1 then
@@ -114,12 +114,14 @@ local function memo_key(memo, name, names, a, b, c, d, e)
         t, last = child(child(memo, a), b), c
     elseif n == 4 then
         t, last = child(child(child(memo, a), b), c), d
-    else
+    elseif n == 5 then
         t, last = child(child(child(child(memo, a), b), c), d), e
+    else
+        t, last = child(child(child(child(child(memo, a), b), c), d), e), f
     end
     local k = t[last]
     if k == nil then
-        local vals = { a, b, c, d, e }
+        local vals = { a, b, c, d, e, f }
         local labels = {}
         for i = 1, n do
             labels[names[i]] = vals[i]
@@ -130,14 +132,15 @@ local function memo_key(memo, name, names, a, b, c, d, e)
     return k
 end
 
---- counter(name, names) -> incr(v, a, b, c, d, e): adds v to the sample whose label values
--- (in the order of names, at most five, none nil) are a .. e; its key is memoized
+--- counter(name, names) -> incr(v, a, b, c, d, e, f): adds v to the sample whose label values
+-- (in the order of names, at most six, none nil) are a .. f; its key is memoized
 function _M.counter(name, names)
     local memo = {}
-    return function(v, a, b, c, d, e)
+    assert(#names <= 6, "at most six labels")
+    return function(v, a, b, c, d, e, f)
         local dd = dict()
         if dd then
-            add(dd, memo_key(memo, name, names, a, b, c, d, e), v)
+            add(dd, memo_key(memo, name, names, a, b, c, d, e, f), v)
         end
     end
 end
@@ -146,6 +149,7 @@ end
 -- with those label values (as counter())
 function _M.histogram(name, names)
     local memo = {}
+    assert(#names <= 5, "at most five labels")
     return function(value, a, b, c, d, e)
         local dd = dict()
         if not dd then

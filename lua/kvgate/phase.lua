@@ -217,7 +217,7 @@ function _M.log()
         node = kctx.balancer.node or stage_upstream.node_of(cfg, addr)
     end
     local status = ngx.status
-    stage_log.count(route.pool, node, status, outcome, route.kind)
+    stage_log.count(route.pool, node, status, outcome, route.kind, kctx.tenant.id)
     local entry = stage_log.entry(kctx, node == "none" and "" or node, status, outcome, addr)
     warm.log(kctx, entry, status)
     stage_log.record(entry)

@@ -5,7 +5,7 @@
 -- the buffer in pipelines of at most CHUNK entries (ngx.sleep(0) between two, so a large
 -- buffer never holds the worker's event loop for long):
 --   XADD kvgate:log MAXLEN ~ 100000 * ts .. pool .. node .. status .. cache .. kind .. fp .. key .. ms
---        .. point .. tries .. home .. spill  (the fields of keys.LOG_FIELDS, in that order)
+--        .. point .. tries .. home .. spill .. tenant  (the fields of keys.LOG_FIELDS, in that order)
 --     point: ngx.crc32_long(route key), the key's place on the chash ring, as a decimal
 --            integer ("" without a key); home (below) is the key's node on the home ring
 --     tries: nodes tried ($upstream_addr entries; > 1 = failover, 0 = no upstream/cache hit;
@@ -99,6 +99,7 @@ local function xadd(e, fp)
     local tries = e.tries and format("%d", e.tries) or ""
     local home = e.home or ""
     local spill = e.spill or ""
+    local tenant = e.tenant or ""
     return concat({ XADD_HEAD,
         FIELD.ts, "$", #ts, "\r\n", ts, "\r\n", FIELD.pool, "$", #pool, "\r\n", pool, "\r\n",
         FIELD.node, "$", #node, "\r\n", node, "\r\n", FIELD.status, "$", #status, "\r\n", status, "\r\n",
@@ -106,7 +107,7 @@ local function xadd(e, fp)
         FIELD.fp, "$", #fp, "\r\n", fp, "\r\n", FIELD.key, "$", #key, "\r\n", key, "\r\n",
         FIELD.ms, "$", #ms, "\r\n", ms, "\r\n", FIELD.point, "$", #point, "\r\n", point, "\r\n",
         FIELD.tries, "$", #tries, "\r\n", tries, "\r\n", FIELD.home, "$", #home, "\r\n", home, "\r\n",
-        FIELD.spill, "$", #spill, "\r\n", spill, "\r\n" })
+        FIELD.spill, "$", #spill, "\r\n", spill, "\r\n", FIELD.tenant, "$", #tenant, "\r\n", tenant, "\r\n" })
 end
 
 --- commands(batch, count, cfg, wire) -> cmds, xadd_positions, set_positions  (PURE)
@@ -127,7 +128,7 @@ function _M.commands(batch, count, cfg, wire)
             "cache", e.cache or "", "kind", e.kind or "", "fp", fp, "key", e.key or "",
             "ms", tostring(e.ms),
             "point", e.point and format("%d", e.point) or "", "tries", e.tries and format("%d", e.tries) or "",
-            "home", e.home or "", "spill", e.spill or "" }
+            "home", e.home or "", "spill", e.spill or "", "tenant", e.tenant or "" }
         xadds[#xadds + 1] = #cmds
         if fp ~= "" then
             local hk = _M.hot_key(e.pool, e.ts)

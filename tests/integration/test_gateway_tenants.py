@@ -233,3 +233,20 @@ def test_required_auth_and_redis_down(tmp_path: Path):
             gw.stop()
         _stop_all(sims)
         redis.stop()
+
+
+def test_the_tenant_is_in_the_request_log_and_the_metrics(tgw):
+    gw, keys = tgw
+    _, secret = keys.create("t2", "log")
+    assert gw.chat("counted for t2", max_tokens=4, headers=bearer(secret)).status_code == 200
+    assert gw.chat("counted for default", max_tokens=4).status_code == 200
+    gw.wait_metric("kvgate_requests_total", gw.metric_sum("kvgate_requests_total", tenant="t2"), tenant="t2")
+    assert gw.metric_sum("kvgate_requests_total", tenant="t2") >= 1
+    assert gw.metric_sum("kvgate_requests_total", tenant="default") >= 1
+    client = gw.redis.client()
+    deadline = time.monotonic() + 5
+    tenants: set[str] = set()
+    while time.monotonic() < deadline and not {"t2", "default"} <= tenants:
+        tenants = {fields.get(b"tenant", b"").decode() for _, fields in client.xrange("kvgate:log")}
+        time.sleep(0.1)
+    assert {"t2", "default"} <= tenants, tenants

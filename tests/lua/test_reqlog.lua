@@ -57,7 +57,7 @@ H.test("one XADD per entry with every field, MAXLEN ~ 100000", function()
     H.eq(f.tries, "2")
     local names = {}
     for i = 7, #c, 2 do names[#names + 1] = c[i] end
-    H.eq(table.concat(names, " "), "ts pool node status cache kind fp key ms point tries home spill")
+    H.eq(table.concat(names, " "), "ts pool node status cache kind fp key ms point tries home spill tenant")
     H.eq(table.concat(names, " "), table.concat(require("kvgate.keys").LOG_FIELDS, " "), "keys.LOG_FIELDS order")
     H.eq(f.home, "", "no home: not balanced")
     f = {}
@@ -84,7 +84,7 @@ H.test("one XADD per entry with every field, MAXLEN ~ 100000", function()
     for i = 7, #c, 2 do f[c[i]] = c[i + 1] end
     H.eq(f.point, "")
     H.eq(f.tries, "")
-    H.eq(#c, 6 + 2 * 13) -- every field of keys.LOG_FIELDS (home added in issue 10, spill in 11)
+    H.eq(#c, 6 + 2 * 14) -- every field of keys.LOG_FIELDS (home added in issue 10, spill in 11, tenant in 12)
 end)
 
 H.test("hot sets: counts summed per pool/minute/fp, one EXPIRE of hot_window_s + 120 per key", function()

@@ -21,7 +21,7 @@ local M = keys.METRICS
 local _M = {}
 
 -- memoized sample keys (metrics.counter): the log phase of every request writes this one
-local requests = metrics.counter(M.requests, { "pool", "node", "status", "cache", "route_key_kind" })
+local requests = metrics.counter(M.requests, { "tenant", "pool", "node", "status", "cache", "route_key_kind" })
 
 -- key_hash(route_key) -> 16 hex digits of sha256(route key), "" for an empty key
 local function key_hash(key)
@@ -70,12 +70,15 @@ function _M.entry(kctx, node, status, outcome, addr)
         home = node ~= "cache" and kctx.balancer.home or nil,
         -- "bound" | "queue": a bounded balancer sent the key past its home (kvgate.balancer.chash_bounded)
         spill = node ~= "cache" and kctx.balancer.spill or nil,
+        -- the tenant's id ("" with gateway.auth off)
+        tenant = kctx.tenant.id,
     }
 end
 
---- count(pool, node, status, outcome, kind): kvgate_requests_total
-function _M.count(pool, node, status, outcome, kind)
-    requests(1, pool or "none", node or "none", tostring(status), outcome or "BYPASS", kind or "none")
+--- count(pool, node, status, outcome, kind, tenant): kvgate_requests_total (tenant "none"
+-- with gateway.auth off; tenants are the policy's, so the label set stays bounded)
+function _M.count(pool, node, status, outcome, kind, tenant)
+    requests(1, tenant or "none", pool or "none", node or "none", tostring(status), outcome or "BYPASS", kind or "none")
 end
 
 --- record(entry): into the request log (never blocks)
