@@ -283,6 +283,9 @@ def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
                 "max_bytes": pool.warmup.capture_max_bytes,
             },
             "hot_window_s": pool.warmup.hot_window_s,
+            **({"admission": {"node_capacity": pool.admission.node_capacity,
+                              "queue_length": pool.admission.queue_length,
+                              "queue_timeout_s": pool.admission.queue_timeout_s}} if pool.admission else {}),
             # the prefix balancer's index (lua/kvgate/prefix_index.lua): capacity in prompt bytes
             "prefix_index": {
                 "chunk_chars": pool.prefix_index.chunk_chars,
@@ -302,7 +305,7 @@ def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
     gw = policy.gateway
     tenants: dict[str, Any] = {}
     for t in policy.tenants:
-        entry: dict[str, Any] = {"name": t.name or t.id, "scope": t.cache_scope}
+        entry: dict[str, Any] = {"name": t.name or t.id, "scope": t.cache_scope, "priority": t.priority}
         lim = t.limits
         limits = {k: v for k, v in (("rpm", lim.rpm), ("tpm", lim.tpm), ("concurrency", lim.concurrency),
                                     ("session_rpm", lim.session_rpm),

@@ -36,9 +36,10 @@ def test_tenants_render_into_the_gateway_config():
 """)
     cfg = json.loads(json.dumps(data_config(p)))
     assert cfg["auth"] == {"mode": "optional", "cache_ttl_s": 5.0, "stale_s": 300.0, "default_tenant": "default"}
-    assert cfg["tenants"]["default"] == {"name": "Everyone", "scope": "t.default", "models": {"m": True}}
+    assert cfg["tenants"]["default"] == {"name": "Everyone", "scope": "t.default", "models": {"m": True},
+                                         "priority": "interactive"}
     # no `models`: every model (the key is absent, not null)
-    assert cfg["tenants"]["team-a"] == {"name": "team-a", "scope": "g.research"}
+    assert cfg["tenants"]["team-a"] == {"name": "team-a", "scope": "g.research", "priority": "interactive"}
     assert cfg["tenant_ids"] == ["default", "team-a"]
 
 
@@ -87,3 +88,18 @@ def test_limits_render_only_what_is_set():
     with pytest.raises(PolicyError) as info:
         parse_policy_text(BASE.format(auth="required", tenants="  - {id: a}") + "limits: {on_redis_error: maybe}\n")
     assert any(str(i).startswith("limits.on_redis_error:") for i in info.value.issues)
+
+
+def test_admission_renders_per_pool_and_is_checked():
+    p = parse_policy_text("""
+pools:
+  - {name: p, models: [m], nodes: [{id: a, url: "http://127.0.0.1:9001"}],
+     admission: {node_capacity: 8, queue_length: 50}}
+""")
+    assert data_config(p)["pools"]["p"]["admission"] == {"node_capacity": 8, "queue_length": 50, "queue_timeout_s": 30.0}
+    with pytest.raises(PolicyError) as info:
+        parse_policy_text("""
+pools:
+  - {name: p, models: [m], nodes: [{id: a, url: "http://127.0.0.1:9001"}], admission: {node_capacity: 0}}
+""")
+    assert [str(i) for i in info.value.issues][0].startswith("pools[0].admission.node_capacity:")

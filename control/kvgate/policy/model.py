@@ -460,6 +460,21 @@ class FailoverConfig(_Strict):
         return self
 
 
+class AdmissionConfig(_Strict):
+    """The pool's admission queue at the gateway (docs/tenants.md, Admission queue): while every
+    serving node has `node_capacity` requests in flight (counted by the gateway, all workers), a
+    request waits here instead of piling into the engines' queues."""
+
+    node_capacity: int = Field(
+        ge=1, strict=True, description="Requests in flight per serving node before requests queue "
+        "(e.g. the engines' --max-num-seqs plus the queue they may hold).",
+    )
+    queue_length: int = Field(100, ge=0, strict=True, description="Requests that may wait per gateway; "
+                              "beyond it 503 `overloaded` at once.")
+    queue_timeout_s: float = Field(30.0, gt=0, le=3600, description="Longest wait in the queue (seconds); "
+                                   "then 503 `overloaded` with Retry-After.")
+
+
 class PoolConfig(_Strict):
     """A set of nodes serving the same models, with one balancer and one affinity-key order."""
 
@@ -513,6 +528,8 @@ class PoolConfig(_Strict):
     nodes: list[NodeConfig] = Field(min_length=1, description="The pool's inference servers.")
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     overload: OverloadConfig = Field(default_factory=OverloadConfig)
+    admission: AdmissionConfig | None = Field(
+        None, description="The admission queue (omitted: none; requests go straight to the nodes).")
     prefix_index: PrefixIndexConfig = Field(default_factory=PrefixIndexConfig)
     failover: FailoverConfig = Field(default_factory=FailoverConfig)
 
@@ -724,6 +741,10 @@ class TenantConfig(_Strict):
         "every tenant of the same `cache_group`.",
     )
     cache_group: str | None = Field(None, description="The group whose cache a `shared` tenant uses.")
+    priority: Literal["interactive", "batch"] = Field(
+        "interactive", description="The highest admission priority of the tenant's requests (`X-Kvgate-Priority` "
+        "may lower it to batch; `batch` caps every request at batch: it waits while interactive ones do).",
+    )
     limits: TenantLimits = Field(default_factory=TenantLimits)
 
     @field_validator("id", "cache_group")
