@@ -159,8 +159,9 @@ SIM_ARGS = [
 ]
 
 
-def _start_sims(n: int, base: Path, prefix: str = "n") -> list[Sim]:
-    """Start ``n`` simulators and wait until all answer; if any fails, stop the others and raise."""
+def _start_sims(n: int, base: Path, prefix: str = "n", extra_args: tuple[str, ...] = ()) -> list[Sim]:
+    """Start ``n`` simulators (``SIM_ARGS`` + ``extra_args``) and wait until all answer; if any
+    fails, stop the others and raise."""
     sims: list[Sim] = []
 
     def ready(sim: Sim) -> bool:
@@ -179,7 +180,7 @@ def _start_sims(n: int, base: Path, prefix: str = "n") -> list[Sim]:
             with open(base / f"sim-{node_id}-{port}.log", "wb") as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-c", "from kvgate.sim.cli import sim_command; sim_command()",
-                     "--port", str(port), "--node-id", node_id, "--model", MODEL, *SIM_ARGS],
+                     "--port", str(port), "--node-id", node_id, "--model", MODEL, *SIM_ARGS, *extra_args],
                     stdout=log, stderr=subprocess.STDOUT,
                 )
             sims.append(Sim(node_id, port, proc))  # recorded before any wait, so a failure stops it
