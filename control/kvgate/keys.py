@@ -81,6 +81,10 @@ METRICS: dict[str, str] = {
     "config_pushes": "kvgate_config_pushes_total",
     "ratelimited": "kvgate_ratelimited_total",
     "ratelimit_redis_errors": "kvgate_ratelimit_redis_errors_total",
+    "admission_waiting": "kvgate_admission_waiting",
+    "admission_inflight": "kvgate_admission_inflight",
+    "admission_wait": "kvgate_admission_wait_seconds",
+    "admission_rejected": "kvgate_admission_rejected_total",
 }
 """The gateway's metric families on ``/metrics``, by short name."""
 

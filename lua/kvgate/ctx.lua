@@ -5,6 +5,7 @@
 --                  empty with gateway.auth off
 --   kctx.req       request stage: endpoint, the parsed request, rejected (status of a refusal)
 --   kctx.limit     limit stage: the request's buckets, how they were checked, the answer's tail
+--   kctx.admission admission stage: the pool whose slot the request holds, or waits for
 --   kctx.route     route-key stage: key, kind, pool, fp (prefix fingerprint), endpoint, shared
 --   kctx.cache     cache stage: outcome (HIT|MISS|BYPASS), reason, key, capture state
 --   kctx.warm      warm-up sampling: the prefix document kept for the request log
@@ -40,6 +41,7 @@ local function new()
         tenant = {},
         req = {},
         limit = {},
+        admission = {},
         route = {},
         cache = {},
         warm = {},

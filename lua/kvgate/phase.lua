@@ -35,6 +35,8 @@ local tenant = require "kvgate.tenant"
 local stage_request = require "kvgate.stage.request"
 local stage_route = require "kvgate.stage.route"
 local stage_limit = require "kvgate.stage.limit"
+local stage_admission = require "kvgate.stage.admission"
+local admission = require "kvgate.admission"
 local limits = require "kvgate.limits"
 local stage_upstream = require "kvgate.stage.upstream"
 local stage_log = require "kvgate.stage.log"
@@ -57,7 +59,7 @@ local M = keys.METRICS
 local _M = {}
 
 -- the access phase's stages, in order (each: access(kctx, cfg))
-_M.ACCESS = { stage_auth, stage_request, stage_route, stage_limit, warm, cache }
+_M.ACCESS = { stage_auth, stage_request, stage_route, stage_limit, warm, cache, stage_admission }
 local ACCESS = _M.ACCESS
 local NACCESS = #ACCESS
 
@@ -125,6 +127,7 @@ function _M.body_filter()
             -- request at once found the node still busy, and least_conn sent that one elsewhere
             inflight.finish(log)
             load.finish(log)
+            admission.release(kctx.admission)
         end
     end
     local l = kctx.limit
@@ -176,6 +179,7 @@ function _M.log()
     -- also on a client abort: the log phase always runs
     inflight.finish(kctx.log)
     load.finish(kctx.log) -- the bounded balancers' prefill tokens (kvgate.balancer.load)
+    admission.release(kctx.admission) -- the pool's admission slot (or its place in the queue)
     local l = kctx.limit
     if l.buckets then
         -- the concurrency slot back; reserved tokens settled to the answer's usage (a hit and
@@ -347,7 +351,10 @@ end
 function _M.metrics()
     ngx.header["Content-Type"] = "text/plain; version=0.0.4"
     local cfg = config.get()
-    ngx.print(metrics.render({ [inflight.NAME] = inflight.lines(cfg), [load.NAME] = load.lines(cfg) }))
+    local extra = admission.lines(cfg)
+    extra[inflight.NAME] = inflight.lines(cfg)
+    extra[load.NAME] = load.lines(cfg)
+    ngx.print(metrics.render(extra))
 end
 
 return _M
