@@ -170,8 +170,11 @@ H.test("match: longest leading run per node, nodes apart", function()
     H.eq(pi.held_tokens(idx, 7), 7 * CHUNK / pi.DEFAULTS.chars_per_token)
 end)
 
-H.test("capacity: chunks go once the node was given capacity_chars of newer prefix, tail first", function()
-    local idx = index({ chunk_chars = CHUNK, capacity_chars = 10 * CHUNK, ttl_s = 600, max_chars = 100 * CHUNK })
+H.test("capacity: chunks go once the node was given REMEMBER x capacity_chars of newer prefix, tail first", function()
+    -- a capacity of 10 chunks as the index counts it
+    local idx = index({ chunk_chars = CHUNK, capacity_chars = 10 * CHUNK / pi.REMEMBER, ttl_s = 600,
+                        max_chars = 100 * CHUNK })
+    H.eq(idx.cap, 10 * CHUNK)
     local a = pi.slot(idx, "a")
     local s1 = text(1, 4 * CHUNK)
     local function held()
@@ -198,7 +201,8 @@ end)
 
 H.test("capacity: a reused prefix is touched (re-stamped) and outlives newer ones", function()
     local dict = new_dict()
-    local idx = index({ chunk_chars = CHUNK, capacity_chars = 8 * CHUNK, ttl_s = 600, max_chars = 100 * CHUNK }, dict)
+    local idx = index({ chunk_chars = CHUNK, capacity_chars = 8 * CHUNK / pi.REMEMBER, ttl_s = 600,
+                        max_chars = 100 * CHUNK }, dict)
     local a = pi.slot(idx, "a")
     local sys = text(1, 2 * CHUNK)
     local k = 10

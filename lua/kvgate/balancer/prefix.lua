@@ -13,7 +13,10 @@
 --   2. pick: a node is eligible when chash_bounded would let the request stay there (taking
 --      traffic, not failed or tried, its engine's queue at most saturated_queue, in-flight
 --      prefill work + this request's uncached tokens within bound_factor × its weighted share:
---      chash_bounded.eligible). The eligible node with the longest match wins. Ties (and no
+--      chash_bounded.eligible); the node that alone holds the longest match may exceed its
+--      bound by the tokens it alone holds (a spill adds that much prefill elsewhere, more than
+--      the excess it relieves; a part every node holds, a system prompt, counts for nothing).
+--      The eligible node with the longest match wins. Ties (and no
 --      match: every eligible node ties at 0) of a request with a session or user key walk the
 --      ring from the key's point to the first tied node (chash_bounded's choice among them);
 --      without such a key they go to the least loaded tied node (in-flight prefill per unit
@@ -169,6 +172,20 @@ function _M.pick(b, st, tried)
     local total = (d and d:get(b.total_key) or 0) + pool_waiting(b.pool) * b.avg
     local c, W, sat, avg, cost0, ct = b.c, b.W, b.sat, b.avg, st.cost or 1, b.chunk_tokens
     local best, top, top_why = 0, nil, nil
+    -- the deepest and second deepest match among the candidates: what the deepest holds
+    -- alone is prefill a spill from it would add elsewhere
+    local d1, d2 = 0, 0
+    for i = 1, #nodes do
+        local node = nodes[i]
+        if node.w > 0 and not skip_failed(node, tried) then
+            local depth = node.depth
+            if depth > d1 then
+                d1, d2 = depth, d1
+            elseif depth > d2 then
+                d2 = depth
+            end
+        end
+    end
     for i = 1, #nodes do
         local node = nodes[i]
         node.ok, node.tie = false, false
@@ -188,7 +205,11 @@ function _M.pick(b, st, tried)
                 end
                 node.cost = cost
                 node.share = l / node.w
-                if not eligible(l, cost, total, c, node.w, W) then
+                -- the node holding alone the longest match may exceed its bound by what it
+                -- holds alone: a spill would add that much prefill elsewhere, more than the
+                -- excess it relieves (a match others share, a system prompt, gives nothing)
+                local alone = node.depth == d1 and (d1 - d2) * ct or 0
+                if not eligible(l - alone, cost, total, c, node.w, W) then
                     why = "bound"
                 end
             end
