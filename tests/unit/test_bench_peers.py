@@ -136,3 +136,16 @@ def test_cli_refuses_bad_arguments_before_starting_anything(tmp_path: Path) -> N
     assert res.exit_code == 2 and "nothing to run" in res.output
     res = run(p.peers_command, [str(trace), "--policy", policy, "--json", str(tmp_path / "no" / "x.json")])
     assert res.exit_code == 2 and "not a writable folder" in res.output
+
+
+def test_cli_refuses_a_policy_with_an_engine_it_cannot_start(tmp_path: Path) -> None:
+    import yaml
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}) + "\n")
+    doc = yaml.safe_load((REPO / "policies" / "demo.yaml").read_text())
+    doc["pools"][0]["nodes"][0]["simulate"] = False
+    policy = tmp_path / "real.yaml"
+    policy.write_text(yaml.safe_dump(doc))
+    res = CliRunner().invoke(p.peers_command, [str(trace), "--policy", str(policy), "--peers", "none"])
+    assert res.exit_code == 2 and "n1 is not `simulate: true`" in res.output

@@ -26,6 +26,7 @@ import asyncio
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -466,12 +467,14 @@ def peers_command(trace_path: Path, policy_path: Path, limit: int, balancers: st
     # SIGTERM/SIGHUP unwind like Ctrl-C, so the `finally` below stops the routers and the stack
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGHUP, _interrupt)
+    bench_doc = bench_policy_doc(doc)
     work = Path(tempfile.mkdtemp(prefix="kvgate-bench-peers-"))
     bench_policy = work / "policy.yaml"
-    bench_policy.write_text(yaml.safe_dump(bench_policy_doc(doc), sort_keys=False))
+    bench_policy.write_text(yaml.safe_dump(bench_doc, sort_keys=False))
     try:
         policy = load_policy(bench_policy)
     except PolicyError as exc:
+        shutil.rmtree(work, ignore_errors=True)
         click.echo(f"error: invalid policy {exc}", err=True)
         sys.exit(2)
     pool = policy.pools[0]
@@ -545,8 +548,6 @@ def peers_command(trace_path: Path, policy_path: Path, limit: int, balancers: st
     if failed_start or any(r.report.requests_failed for r in result.rows):
         click.echo(f"(logs kept under {work})", err=True)
         sys.exit(1)
-    import shutil
-
     shutil.rmtree(work, ignore_errors=True)
 
 
