@@ -149,3 +149,21 @@ def test_cli_refuses_a_policy_with_an_engine_it_cannot_start(tmp_path: Path) -> 
     policy.write_text(yaml.safe_dump(doc))
     res = CliRunner().invoke(p.peers_command, [str(trace), "--policy", str(policy), "--peers", "none"])
     assert res.exit_code == 2 and "n1 is not `simulate: true`" in res.output
+
+
+def test_comparison_takes_each_sides_best_by_ratio_then_p99() -> None:
+    def row(router: str, policy: str, ratio: float, p99: float) -> p.Row:
+        r = _report(0.2 * ratio, 0.2)
+        r.ratio_to_ceiling, r.ttft_p99_s = ratio, p99
+        return p.Row(router, policy, "", r)
+
+    res = p.BenchResult("t", 10, 10.0, 0.2, [
+        row("kvgate", "round_robin", 0.45, 0.7), row("kvgate", "chash", 1.035, 1.0),
+        row("kvgate", "prefix", 1.03, 0.8),  # within 0.01 of chash: the lower p99 wins
+        row("smg", "prefix_hash", 1.00, 0.816), row("sglang-router", "round_robin", 0.43, 0.6),
+    ])
+    assert p.best_row(res.rows[:3]).policy == "prefix" and p.best_row([]) is None
+    line = p.comparison(res)
+    assert line.startswith("kvgate's best, prefix: 1.03 of the ceiling, TTFT p99 800 ms; the best peer, smg "
+                           "prefix_hash: 1.00, 816 ms") and "(kvgate +0.03 of the ceiling, -16 ms p99)" in line
+    assert p.comparison(p.BenchResult("t", 10, 10.0, 0.2, res.rows[:3])) is None

@@ -359,6 +359,29 @@ def render_markdown(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def best_row(rows: list[Row], tie: float = 0.01) -> Row | None:
+    """The row with the highest ratio to the ceiling; among rows within ``tie`` of it, the one
+    with the lowest client TTFT p99. None for no rows."""
+    if not rows:
+        return None
+    top = max(r.report.ratio_to_ceiling for r in rows)
+    return min((r for r in rows if r.report.ratio_to_ceiling >= top - tie), key=lambda r: r.report.ttft_p99_s)
+
+
+def comparison(result: BenchResult) -> str | None:
+    """One line: kvgate's best balancer against the best peer (:func:`best_row` of each side), by
+    ratio to the ceiling and client TTFT p99, with the differences; None without both sides."""
+    ours = best_row([r for r in result.rows if r.router == "kvgate"])
+    peer = best_row([r for r in result.rows if r.router != "kvgate"])
+    if not ours or not peer:
+        return None
+    a, b = ours.report, peer.report
+    return (f"kvgate's best, {ours.policy}: {a.ratio_to_ceiling:.2f} of the ceiling, TTFT p99 {_ms(a.ttft_p99_s)}; "
+            f"the best peer, {peer.router} {peer.policy}: {b.ratio_to_ceiling:.2f}, {_ms(b.ttft_p99_s)} "
+            f"(kvgate {a.ratio_to_ceiling - b.ratio_to_ceiling:+.2f} of the ceiling, "
+            f"{(a.ttft_p99_s - b.ttft_p99_s) * 1000:+,.0f} ms p99)")
+
+
 # ------------------------------------------------------------------ the run
 def _run_one(console: Console, label: str, url: str, nodes, model: str, trace: list[TraceRequest],
              speedup: float, concurrency: int, max_tokens_cap: int | None, ceiling: float,
@@ -539,6 +562,9 @@ def peers_command(trace_path: Path, policy_path: Path, limit: int, balancers: st
         Console(width=max(150, Console().width)).print(render_table(result))
         for row in result.rows:
             click.echo(f"  {row.router} {row.policy}: {row.settings}")
+        line = comparison(result)
+        if line:
+            click.echo(line)
     if json_path:
         json_path.write_text(json.dumps(result.as_json(), indent=2) + "\n")
         click.echo(f"report written to {json_path}")
