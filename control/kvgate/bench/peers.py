@@ -528,10 +528,15 @@ def peers_command(trace_path: Path, policy_path: Path, limit: int, balancers: st
         if names:
             apply_balancer, _restore = _balancer_switch(stack, policy, policy)
             for name in names:
-                console.print(f"[bold]kvgate {name}[/]: {apply_balancer(name)}; the policy's other settings "
-                              f"(prefix_chars {pool.prefix_chars})")
-                report = _run_one(console, f"kvgate {name}", gateway, nodes, model, trace, speedup, concurrency,
-                                  max_tokens_cap, result.ceiling)
+                try:  # one row's failure (a refused policy, a busy engine) leaves the other rows
+                    console.print(f"[bold]kvgate {name}[/]: {apply_balancer(name)}; the policy's other "
+                                  f"settings (prefix_chars {pool.prefix_chars})")
+                    report = _run_one(console, f"kvgate {name}", gateway, nodes, model, trace, speedup,
+                                      concurrency, max_tokens_cap, result.ceiling)
+                except (ReplayError, ControlError) as exc:
+                    console.print(f"  [red]error[/]: kvgate {name}: {exc}")
+                    failed_start = True
+                    continue
                 result.rows.append(Row("kvgate", name, f"{policy_path.name}, balancer: {name}", report))
         workers = [n.url for n in nodes]
         for peer in peers:
@@ -547,6 +552,10 @@ def peers_command(trace_path: Path, policy_path: Path, limit: int, balancers: st
                 headers = (lambda r: {SESSION_HEADER: conversation_id(r)}) if peer.session_header else None
                 report = _run_one(console, peer.label, url, nodes, model, trace, speedup, concurrency,
                                   max_tokens_cap, result.ceiling, headers=headers)
+            except ReplayError as exc:
+                console.print(f"  [red]error[/]: {peer.label}: {exc}")
+                failed_start = True
+                continue
             finally:
                 _stop(proc)
             note = settings + (f" + {SESSION_HEADER} per conversation" if peer.session_header else "")
