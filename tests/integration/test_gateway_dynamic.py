@@ -54,8 +54,9 @@ def _post(gw: Gateway, doc: Any, headers: dict[str, str] | None = None) -> reque
 
 def _doc(nodes: list[MockEngine], weights: dict[str, int] | None = None, balancer: str = "chash",
          namespace: int = 1, home: bool = False) -> dict[str, Any]:
-    """A runtime document; ``home``: with each node's home_weight (the control plane's documents
-    carry it since issue 10; without it, as an older control plane's, the gateway takes the weight)."""
+    """A runtime document; ``home``: with each node's home_weight and the pool's chash_bounded
+    fields at their defaults (the control plane's documents carry them since issues 10 and 11;
+    without them, as an older control plane's, the gateway takes the weight and the defaults)."""
     weights = weights or {}
     doc: dict[str, Any] = {
         "pools": {POOL: {"balancer": balancer, "nodes": {
@@ -67,6 +68,7 @@ def _doc(nodes: list[MockEngine], weights: dict[str, int] | None = None, balance
     if home:
         for n in doc["pools"][POOL]["nodes"].values():
             n["home_weight"] = n["weight"] or 100
+        doc["pools"][POOL].update({"bound_factor": 1.25, "bound_load": "prefill_tokens", "saturated_queue": 16})
     return doc
 
 

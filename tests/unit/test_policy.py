@@ -30,7 +30,7 @@ def test_demo_policy_loads():
     p = load_policy(DEMO)
     assert p.gateway.listen == "127.0.0.1:8080"
     assert [n.id for n in p.nodes()] == ["n1", "n2", "n3", "n4"]
-    assert p.pools[0].balancer == "chash_bounded" and p.pools[0].bound_factor == 1.25
+    assert p.pools[0].balancer == "chash_bounded" and p.pools[0].bound_factor == 2.0
     assert p.pool_of_node("n3").name == "default"
     assert p.gateway.debug_headers is True
 
