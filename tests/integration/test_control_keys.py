@@ -65,3 +65,34 @@ def test_keys_from_the_cli_work_at_the_gateway_and_revoke(control_fleet: Callabl
     for log in (f.run_dir / "logs").glob("*"):
         if log.is_file():
             assert secret not in log.read_text(errors="replace"), log
+
+
+def test_the_tenants_page_shows_limits_use_and_keys(control_fleet: Callable[..., Fleet]) -> None:
+    limits = ("tenants: [{id: default}, {id: t1, name: Team one, limits: {rpm: 100, tpm: 100000, concurrency: 5}}]")
+    f = control_fleet(n=1, gateway_extra=", auth: optional", extra=limits)
+    bearer = {"Authorization": f"Bearer {f.token}", "Accept": "application/json"}
+    made = requests.post(f.control + "/admin/tenants/t1/keys", headers=bearer, data={"name": "page"}, timeout=10)
+    assert made.status_code == 201, made.text
+    secret = made.json()["secret"]
+    for _ in range(3):
+        assert chat(f, secret).status_code == 200
+    page = requests.get(f.control + "/admin/tenants", headers=bearer, timeout=10).json()
+    assert page["auth"] == "optional" and not page["error"], page
+    t1 = next(t for t in page["tenants"] if t["id"] == "t1")
+    assert dict(map(tuple, t1["limits"])) == {"rpm": 100, "tpm": 100000, "concurrency": 5}
+    assert 2.5 <= t1["use"]["rpm"] <= 3.5  # three requests, a second's refill at most
+    assert t1["use"]["concurrency"] == 0
+    [key] = t1["keys"]
+    html = requests.get(f.control + "/admin/tenants", headers={"Authorization": f"Bearer {f.token}"}, timeout=10)
+    assert html.status_code == 200 and key["id"] in html.text and secret not in html.text
+    # the 15-minute figures come from the control plane's scrapes of the gateway
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        t1 = next(t for t in requests.get(f.control + "/admin/tenants", headers=bearer, timeout=10).json()["tenants"]
+                  if t["id"] == "t1")
+        if t1["requests_15m"] >= 3:
+            break
+        time.sleep(0.5)
+    assert t1["requests_15m"] >= 3
+    gone = requests.post(f.control + f"/admin/keys/{key['id']}/revoke", headers=bearer, timeout=10)
+    assert gone.status_code == 200 and gone.json()["key"]["revoked"]

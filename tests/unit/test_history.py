@@ -215,3 +215,15 @@ def test_concurrent_writers_and_readers() -> None:
         assert s["waiting"] == list(range(n))
         assert s["prefix_hit_ratio"][1:] == [pytest.approx(0.5)] * (n - 1)
         assert h.rates(f"n{k}", now=T0 + n, over_s=100)["req_s"] == pytest.approx(2.0)
+
+
+def test_tenant_totals_are_the_windows_increases() -> None:
+    h = History(window_s=900)
+    snap = lambda req, lim: {"ok": True, "requests": {}, "errors": {}, "tenant_requests": req, "ratelimited": lim}
+    h.add_gateway(T0, snap({"a": 100}, {}))                  # before this plane looked: not counted
+    h.add_gateway(T0 + 1, snap({"a": 103, "b": 2}, {"b": 5}))  # b appears with its first requests
+    h.add_gateway(T0 + 2, snap({"a": 1, "b": 4}, {"b": 6}))    # a's gateway restarted: from 0
+    assert h.tenant_totals(now=T0 + 3) == {"a": {"requests": 4, "ratelimited": 0},
+                                           "b": {"requests": 4, "ratelimited": 6}}
+    assert h.tenant_totals(now=T0 + 2000) == {"a": {"requests": 0, "ratelimited": 0},
+                                              "b": {"requests": 0, "ratelimited": 0}}

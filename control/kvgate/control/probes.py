@@ -17,14 +17,17 @@ from ..fleet.events import EventKind
 
 def empty_gateway() -> dict[str, Any]:
     """A gateway snapshot before the first scrape (not ``ok``)."""
-    return {"ok": False, "inflight": {}, "requests": {}, "errors": {}, "failovers": {}}
+    return {"ok": False, "inflight": {}, "requests": {}, "errors": {}, "failovers": {}, "tenant_requests": {},
+            "ratelimited": {}, "breaker": {}}
 
 
 def fetch_gateway(http: requests.Session, listen: str) -> dict[str, Any]:
     """The gateway's figures from its ``/metrics`` (``listen``: ``gateway.listen``):
     ``{"ok": bool, "inflight": {node: kvgate_upstream_inflight}, "requests": {node: answers},
-    "errors": {node: 5xx answers}, "failovers": {pool: kvgate_failovers_total}}`` (cumulative
-    counters), plus ``"error"`` when it could not be read (2 s timeout)."""
+    "errors": {node: 5xx answers}, "failovers": {pool: kvgate_failovers_total}, "tenant_requests":
+    {tenant: answers}, "ratelimited": {tenant: kvgate_ratelimited_total}, "breaker": {node:
+    kvgate_upstream_breaker_state (0 closed, 1 open, 2 half-open)}}`` (cumulative counters),
+    plus ``"error"`` when it could not be read (2 s timeout)."""
     url = f"http://{connect_address(listen)}/metrics"
     snap = empty_gateway()
     try:
@@ -39,6 +42,13 @@ def fetch_gateway(http: requests.Session, listen: str) -> dict[str, Any]:
                     snap["requests"][n] = snap["requests"].get(n, 0) + s.value
                     if lb.get("status", "").startswith("5"):
                         snap["errors"][n] = snap["errors"].get(n, 0) + s.value
+                    t = lb.get("tenant", "none")
+                    snap["tenant_requests"][t] = snap["tenant_requests"].get(t, 0) + s.value
+                elif s.name == "kvgate_upstream_breaker_state":
+                    snap["breaker"][lb.get("node", "")] = int(s.value)
+                elif s.name == "kvgate_ratelimited_total":
+                    t = lb.get("tenant", "")
+                    snap["ratelimited"][t] = snap["ratelimited"].get(t, 0) + s.value
                 elif s.name == "kvgate_failovers_total":
                     p = lb.get("pool", "")
                     snap["failovers"][p] = snap["failovers"].get(p, 0) + s.value

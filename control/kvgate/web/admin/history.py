@@ -112,6 +112,10 @@ class History:
         self.gap_s = float(gap_s)
         self._lock = threading.Lock()
         self._nodes: dict[str, _Node] = {}
+        # per tenant: the last cumulative (answers, 429s) and the window's deltas (ts, answers, 429s)
+        self._tenant_last: dict[str, tuple[float, float]] = {}
+        self._tenants: dict[str, deque] = {}
+        self._tenant_scraped = False
 
     # ------------------------------------------------------------------ feeds
     def _node(self, node_id: str) -> _Node:
@@ -183,6 +187,7 @@ class History:
         ts = float(ts)
         errors = snap.get("errors") or {}
         with self._lock:
+            self._add_tenants(ts, snap.get("tenant_requests") or {}, snap.get("ratelimited") or {})
             for node_id, value in (snap.get("requests") or {}).items():
                 req = _num(value)
                 if req is None:
@@ -200,6 +205,35 @@ class History:
                     node.answers.append(_Answers(node.gateway_ts, ts, d_req, min(d_err, d_req)))
                     self._prune(node.answers, ts)
                 node.requests, node.errors, node.gateway_ts = req, err, ts
+
+    def _add_tenants(self, ts: float, requests: dict[str, Any], limited: dict[str, Any]) -> None:
+        first = not self._tenant_scraped
+        self._tenant_scraped = True
+        for tenant in set(requests) | set(limited):
+            req, lim = _num(requests.get(tenant)) or 0.0, _num(limited.get(tenant)) or 0.0
+            last = self._tenant_last.get(tenant)
+            self._tenant_last[tenant] = (req, lim)
+            if last is None:
+                if first:
+                    continue  # counted before this control plane looked: not in the window
+                last = (0.0, 0.0)  # a tenant's samples appear with its first request
+            d_req, d_lim = (req, lim) if req < last[0] or lim < last[1] else (req - last[0], lim - last[1])
+            q = self._tenants.setdefault(tenant, deque(maxlen=self.maxlen))
+            q.append((ts, d_req, d_lim))
+            while q and q[0][0] < ts - self.window_s:
+                q.popleft()
+
+    def tenant_totals(self, now: float | None = None) -> dict[str, dict[str, float]]:
+        """Per tenant over the window: ``{"requests", "ratelimited"}`` (answers and 429s counted by
+        the gateway between the control plane's scrapes; the tenant ``none`` is gateway.auth off)."""
+        now = time.time() if now is None else now
+        out: dict[str, dict[str, float]] = {}
+        with self._lock:
+            for tenant, q in self._tenants.items():
+                req = sum(d for ts, d, _ in q if ts >= now - self.window_s)
+                lim = sum(d for ts, _, d in q if ts >= now - self.window_s)
+                out[tenant] = {"requests": req, "ratelimited": lim}
+        return out
 
     def forget(self, node_id: str) -> None:
         """Drop everything about ``node_id`` (it left the policy)."""
