@@ -74,8 +74,11 @@ def _keys_homed(gw: Gateway, node: str, n: int) -> list[str]:
 
 
 def _restart(mocks: dict[str, MockEngine], node: str) -> MockEngine:
-    """The engine back on its port (a fresh process would be the same to the gateway)."""
+    """The engine back on its port. (A killed process closes its connections; the stopped mock's
+    handler threads still hold nginx's idle keep-alive connections, so they answer normally
+    again too, as a fresh process's new connections would.)"""
     old = mocks[node]
+    old.set(reset=False)
     m = MockEngine(node, port=old.port).start()
     mocks[node] = m
     return m
@@ -107,17 +110,17 @@ def test_second_home_and_the_breaker_open_half_open_closed(stack) -> None:
 
     # open for OPEN_S, then half-open: one trial. n1 still fails it: open again (for 2 × OPEN_S)
     _wait(lambda: _state(gw, "n1") == 2, OPEN_S + 2, "n1 half-open")
-    assert _served(gw, keys[0], 10) == second[keys[0]]  # the trial (failed over) or skipping n1
+    # (a worker sees half-open at its next refresh: requests until one of them is the trial;
+    # each lands on the key's second home, failed over from the trial or skipping n1)
+    _wait(lambda: _served(gw, keys[0], 10) == second[keys[0]] and len(n1.completions()) > tried, 2, "the trial")
+    assert len(n1.completions()) == tried + 1, "one trial"
     _wait(lambda: _state(gw, "n1") == 1, 2, "n1 open again after its failed trial")
-    assert len(n1.completions()) == tried + 1
 
     # the engine is back: after the longer open time, the trial succeeds and closes the breaker;
     # its keys are home again
     n1.set(status=200)
     _wait(lambda: _state(gw, "n1") == 2, 2 * OPEN_S + 2, "n1 half-open again")
-    for i in range(4):
-        _served(gw, "any-key", 20 + i)  # one of them is n1's trial
-    _wait(lambda: _state(gw, "n1") == 0, 2, "n1's breaker closed")
+    _wait(lambda: bool(_served(gw, "any-key")) and _state(gw, "n1") == 0, 3, "n1's breaker closed by a trial")
     _wait(lambda: {k: _served(gw, k, 30) for k in keys} == {k: "n1" for k in keys}, 2, "keys at home")
 
 
@@ -156,33 +159,35 @@ def test_an_engine_killed_under_load_fails_no_request(stack) -> None:
             f.result()
     assert not failures, failures[:5]
     assert before.get("n2", 0) > 0 and sum(served.values()) > sum(before.values()) + 20
-    _wait(lambda: _state(gw, "n2") == 1, 2, "n2's breaker open")
+    # open, or half-open already when the load ended after its open time (no request since to be
+    # the trial)
+    _wait(lambda: _state(gw, "n2") in (1, 2), 2, "n2's breaker open")
     n2 = _restart(mocks, "n2")
-    _wait(lambda: _state(gw, "n2") == 2, 8 + 2, "n2 half-open")
-    for i in range(4):
-        _served(gw, "any-key", 40 + i)
-    _wait(lambda: _state(gw, "n2") == 0, 2, "n2's breaker closed")
+    # open for at most breaker_open_max_s (8 s, its trials failed during the load), then a trial
+    # (any request) finds the engine back
+    _wait(lambda: bool(_served(gw, "any-key")) and _state(gw, "n2") == 0, 8 + 3, "n2's breaker closed by a trial")
 
 
 def test_requests_without_a_route_key_go_to_the_better_scored_of_two(stack) -> None:
     gw, mocks = stack
     _wait(lambda: all(_state(gw, n) == 0 for n in mocks), 10, "every breaker closed")
     slow = mocks["n3"]
-    slow.set(stall_s=0.3)
+    slow.set(stall_s=0.8)
     try:
-        # n3's time to first byte is learnt from the requests p2c gives it while nothing is known
-        for i in range(60):
-            r = _chat(gw, None, i)
-            assert r.status_code == 200 and r.headers["X-Kvgate-Route-Key-Kind"] == "fallback"
-            if len(slow.completions()) >= 2:
-                break
-        assert len(slow.completions()) >= 2
+        # n3's time to first byte is measured on keyed requests (their home is n3 whatever the score)
+        for k in _keys_homed(gw, "n3", 2):
+            assert _served(gw, k, 50) == "n3"
+        r = _chat(gw, None, 0)
+        assert r.status_code == 200 and r.headers["X-Kvgate-Route-Key-Kind"] == "fallback"
         time.sleep(0.5)  # every worker's view of the latencies (refreshed every 0.2 s)
         got: dict[str, int] = {}
+        seq = []
         for i in range(30):
+            t = time.monotonic()
             node = _served(gw, None, 100 + i)
+            seq.append((node, round(time.monotonic() - t, 3)))
             got[node] = got.get(node, 0) + 1
         # n3 is drawn in two draws of three but loses every comparison; n1 and n2 share
-        assert "n3" not in got and got.get("n1", 0) > 3 and got.get("n2", 0) > 3, got
+        assert "n3" not in got and got.get("n1", 0) > 3 and got.get("n2", 0) > 3, (got, seq)
     finally:
         slow.set(stall_s=0)
