@@ -470,7 +470,9 @@ function _M.keyless(b, tried)
     return nil
 end
 
--- balancers whose keyless requests p2c takes from peers.balance (the others call keyless())
+-- balancers whose keyless requests p2c takes from peers.balance; a balancer module whose own
+-- pick calls keyless() for a request without a point (and counts its load there) sets
+-- impl.KEYLESS_P2C = true instead: its fallback-kind requests then lose their point too
 local P2C_BY_BALANCE = { chash = true }
 
 -- trial(b) -> a half-open node this request is the trial of, or nil
@@ -507,7 +509,7 @@ function _M.balance(impl, b)
     if try == nil then
         try = 1
         impl.start(b, st, kctx)
-        if b.p2c and P2C_BY_BALANCE[impl.NAME] and kctx.route.kind == "fallback" then
+        if b.p2c and (P2C_BY_BALANCE[impl.NAME] or impl.KEYLESS_P2C) and kctx.route.kind == "fallback" then
             -- none of the pool's affinity keys: the fallback key would send every such request
             -- to one node; p2c spreads them by load (no home)
             st.point = nil
