@@ -97,7 +97,7 @@ function _M.lookup(cfg, c, req, endpoint, headers, scope)
         c.key = key
         return nil
     end
-    local v, err = kredis.get(cfg.redis, key)
+    local v, err = kredis.get_batched(cfg.redis, key)
     if v == nil then
         cache_error("get", err)
         c.reason = "redis-error"

@@ -180,9 +180,8 @@ function _M.plan(t_id, lim, kt, route, tokens, slot_ttl_ms, request_id)
     return b
 end
 
---- admit_redis(redis_cfg, buckets, now_ms) -> ok, detail | nil, err
--- ok true: detail = left per bucket; ok false: detail = {index, retry_ms, left}
-function _M.admit_redis(redis_cfg, buckets, now_ms)
+-- admit_args(buckets, now_ms) -> the EVALSHA command of one request's ADMIT
+local function admit_args(buckets, now_ms)
     local n = #buckets
     local args = { "evalsha", sha_of("ADMIT"), n }
     for i = 1, n do
@@ -198,19 +197,11 @@ function _M.admit_redis(redis_cfg, buckets, now_ms)
         args[j + 3] = bk.win
         args[j + 4] = bk.cost
     end
-    local replies, err = kredis.pipeline(redis_cfg, { args })
-    if not replies then
-        return nil, err
-    end
-    local r = replies[1]
-    if type(r) == "table" and r[1] == false and find(tostring(r[2]), "NOSCRIPT", 1, true) then
-        args[1], args[2] = "eval", _M.ADMIT
-        replies, err = kredis.pipeline(redis_cfg, { args })
-        if not replies then
-            return nil, err
-        end
-        r = replies[1]
-    end
+    return args
+end
+
+-- admit_reply(r, n) -> ok, detail | nil, err (ADMIT's reply for n buckets)
+local function admit_reply(r, n)
     if type(r) ~= "table" or r[1] == false then
         return nil, "admit: " .. tostring(r and r[2])
     end
@@ -222,6 +213,65 @@ function _M.admit_redis(redis_cfg, buckets, now_ms)
         return true, left
     end
     return false, { r[2], r[3], r[4] }
+end
+
+local function noscript(r)
+    return type(r) == "table" and r[1] == false and find(tostring(r[2]), "NOSCRIPT", 1, true)
+end
+
+-- run(redis_cfg, cmds) -> replies | nil, err: one pipeline; EVALSHAs Redis no longer knows (a
+-- restart, SCRIPT FLUSH) once more as EVAL
+local function run(redis_cfg, cmds)
+    local replies, err = kredis.pipeline(redis_cfg, cmds)
+    if not replies then
+        return nil, err
+    end
+    local again, idx = nil, nil
+    for i = 1, #cmds do
+        if noscript(replies[i]) then
+            again, idx = again or {}, idx or {}
+            local c = cmds[i]
+            local e = { "eval", _M.ADMIT }
+            for j = 3, #c do
+                e[j] = c[j]
+            end
+            again[#again + 1] = e
+            idx[#idx + 1] = i
+        end
+    end
+    if again then
+        local r2, err2 = kredis.pipeline(redis_cfg, again)
+        if not r2 then
+            return nil, err2
+        end
+        for k = 1, #idx do
+            replies[idx[k]] = r2[k]
+        end
+    end
+    return replies
+end
+
+--- admit_redis(redis_cfg, buckets, now_ms) -> ok, detail | nil, err (one request, its own
+-- round trip: tests, and a worker whose batch sender is not running)
+-- ok true: detail = left per bucket; ok false: detail = {index, retry_ms, left}
+function _M.admit_redis(redis_cfg, buckets, now_ms)
+    local replies, err = run(redis_cfg, { admit_args(buckets, now_ms) })
+    if not replies then
+        return nil, err
+    end
+    return admit_reply(replies[1], #buckets)
+end
+
+-- admit_batched(redis_cfg, buckets, now_ms) -> as admit_redis, through kvgate.redis's batches
+local function admit_batched(redis_cfg, buckets, now_ms)
+    local r, err = kredis.call(redis_cfg, admit_args(buckets, now_ms))
+    if r == nil then
+        return nil, err
+    end
+    if noscript(r) then
+        return _M.admit_redis(redis_cfg, buckets, now_ms)
+    end
+    return admit_reply(r, #buckets)
 end
 
 -- the fallback: this gateway's fixed windows (the minute's index since the epoch) in kvgate_state
@@ -268,7 +318,7 @@ end
 function _M.admit(cfg, buckets)
     local now_s = ngx.now()
     if not kredis.down() then
-        local ok, detail = _M.admit_redis(cfg.redis, buckets, floor(now_s * 1000))
+        local ok, detail = admit_batched(cfg.redis, buckets, floor(now_s * 1000))
         if ok ~= nil then
             return ok, detail, "redis"
         end

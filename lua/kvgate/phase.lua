@@ -44,7 +44,7 @@ local stage_log = require "kvgate.stage.log"
 require "kvgate.cache_key"
 require "kvgate.prompt"
 require "kvgate.sse"
-require "kvgate.redis"
+local kredis = require "kvgate.redis"
 require "kvgate.json"
 require "kvgate.hash"
 
@@ -87,6 +87,7 @@ function _M.init_worker()
     balancer.init_worker()
     shutdown.start()
     tenant.init_worker(config.get) -- API keys' last use, to Redis every few seconds
+    kredis.start_batches(config.get) -- one pipeline per batch of the requests' GETs and ADMITs
 end
 
 --- access(): the access stages in order; any of them may answer the request itself

@@ -68,6 +68,8 @@ local tail = %(tail)s
 local vary = %(vary)s
 local n = 0
 local hdrs = { ["Content-Type"] = "application/json" }
+local key = %(key)s
+if key then hdrs["Authorization"] = "Bearer " .. key end
 request = function()
     n = n + 1
     return wrk.format("POST", "/v1/chat/completions", hdrs, head .. (vary and n or 1) .. tail)
@@ -197,6 +199,8 @@ class Fleet:
         self.stack = ExitStack()
         self.upstream_ports = [_free_port() for _ in range(NODES)]
         self.pids: dict[str, Callable[[], list[int]]] = {}
+        self.api_key = ""
+        """the tenant gateway's API key (start_kvgate(tenants=True))"""
         """url key -> the pids whose CPU a path's requests cost"""
 
     def close(self) -> None:
@@ -307,29 +311,40 @@ class Fleet:
                 time.sleep(0.05)
         raise RuntimeError("redis-server did not start")
 
-    def start_kvgate(self, redis_url: str, lua_dir: Path | None) -> str:
-        """kvgate rendered from a policy exactly as ``kvgate up`` does (2 workers, cache on)."""
+    def start_kvgate(self, redis_url: str, lua_dir: Path | None, tenants: bool = False) -> str:
+        """kvgate rendered from a policy exactly as ``kvgate up`` does (2 workers, cache on).
+        ``tenants``: with ``gateway.auth: required`` and one tenant with three limits (rpm, tpm,
+        concurrency; too high to refuse anything), its API key in :attr:`api_key`."""
         from ..nginxctl import Nginx
         from ..policy.loader import parse_policy
 
         port = _free_port()
-        policy = parse_policy({
-            "version": 1,
-            # a free internal listener too: the default 127.0.0.1:9080 may be a running stack's
-            "gateway": {"listen": f"127.0.0.1:{port}", "worker_processes": 2, "max_body_bytes": 1048576,
-                        "internal_listen": f"127.0.0.1:{_free_port()}"},
-            "redis": {"url": redis_url, "managed": False},
+        # a free internal listener too: the default 127.0.0.1:9080 may be a running stack's
+        gateway: dict = {"listen": f"127.0.0.1:{port}", "worker_processes": 2, "max_body_bytes": 1048576,
+                         "internal_listen": f"127.0.0.1:{_free_port()}"}
+        doc: dict = {
+            "version": 1, "gateway": gateway, "redis": {"url": redis_url, "managed": False},
             "cache": {"enabled": True},
             "pools": [{"name": "bench", "models": [MODEL], "balancer": "chash",
                        "nodes": [{"id": f"n{i + 1}", "url": f"http://127.0.0.1:{p}"}
                                  for i, p in enumerate(self.upstream_ports)]}],
-        }, "bench-policy")
-        nginx = Nginx(self.base / "kvgate", lua_dir=lua_dir or default_lua_dir())
+        }
+        if tenants:
+            gateway["auth"] = "required"
+            doc["tenants"] = [{"id": "bench", "limits": {"rpm": 10**9, "tpm": 10**12, "concurrency": 10**6}}]
+        policy = parse_policy(doc, "bench-policy")
+        name = "kvgate-t" if tenants else "kvgate"
+        if tenants:
+            from ..control.apikeys import ApiKeys
+            from ..control.store import Store
+
+            _, self.api_key = ApiKeys(Store(redis_url)).create("bench", "bench gateway")
+        nginx = Nginx(self.base / name, lua_dir=lua_dir or default_lua_dir())
         self.stack.callback(nginx.stop, timeout=5)
         nginx.apply(policy)
         nginx.wait_ready(policy.gateway.listen)
-        prefix = self.base / "kvgate"
-        self.pids["kvgate"] = lambda: nginx_workers(prefix)
+        prefix = self.base / name
+        self.pids[name] = lambda: nginx_workers(prefix)
         return f"http://127.0.0.1:{port}"
 
     def start_peer(self, venv: Path, name: str) -> str | None:
@@ -400,6 +415,7 @@ def benchmark(seconds: float, rounds: int, connections: int, threads: int, peers
             redis_url = fleet.start_redis()
             urls = fleet.start_bare()
             urls["kvgate"] = fleet.start_kvgate(redis_url, lua_dir)
+            urls["kvgate-t"] = fleet.start_kvgate(redis_url, lua_dir, tenants=True)
             peers = []
             if peers_venv:
                 for name in ("sglang-router", "vllm-router"):
@@ -411,11 +427,13 @@ def benchmark(seconds: float, rounds: int, connections: int, threads: int, peers
                         echo(f"({name} not in {peers_venv}: skipped)")
             scripts: dict[tuple[str, str], Path] = {}
             for size in sizes:
-                for kind, temp, vary in (("miss", 0, True), ("bypass", 0.7, True), ("hit", 0, False)):
+                for kind, temp, vary in (("miss", 0, True), ("bypass", 0.7, True), ("hit", 0, False),
+                                         ("miss-t", 0, True)):
                     head, tail = chat_body(SIZES[size], temp, "max_tokens" if kind == "bypass" else "seed")
                     p = Path(tmp) / f"wrk-{kind}-{size}.lua"
                     p.write_text(WRK_SCRIPT % {"head": _lua_str(head), "tail": _lua_str(tail),
-                                               "vary": "true" if vary else "false"})
+                                               "vary": "true" if vary else "false",
+                                               "key": _lua_str(fleet.api_key) if kind == "miss-t" else "nil"})
                     scripts[(kind, size)] = p
                 # the hit path's entry, stored before any hit is measured
                 head, tail = chat_body(SIZES[size], 0)
@@ -434,7 +452,8 @@ def benchmark(seconds: float, rounds: int, connections: int, threads: int, peers
             # (path label, url key, script kind)
             paths = [("bare", "bare", "bypass"), ("floor: lua read", "floor read", "bypass"),
                      ("floor: lua decode+sha256", "floor decode", "bypass"), ("kvgate miss", "kvgate", "miss"),
-                     ("kvgate bypass", "kvgate", "bypass"), ("kvgate hit", "kvgate", "hit")]
+                     ("kvgate bypass", "kvgate", "bypass"), ("kvgate hit", "kvgate", "hit"),
+                     ("kvgate miss +auth+limits", "kvgate-t", "miss-t")]
             paths += [(p, p, "bypass") for p in peers]
             if only:
                 paths = [p for p in paths if p[0] in only or p[0] == "bare"]
@@ -460,7 +479,7 @@ def benchmark(seconds: float, rounds: int, connections: int, threads: int, peers
                         echo(f"  round {r + 1} {size:>4} {label:<14} {res.rps:9.0f} req/s  "
                              f"p50 {res.p50_ms:6.2f} ms  p99 {res.p99_ms:6.2f} ms  {res.cpu_us:6.1f} us CPU/req")
                     for label, key, kind in paths:
-                        if label == "kvgate bypass" or label.startswith("floor"):
+                        if label in ("kvgate bypass", "kvgate miss +auth+limits") or label.startswith("floor"):
                             continue
                         res = run_wrk(urls[key], scripts[(kind, size)], one_seconds, 1, 1)
                         report.one.setdefault((label, size), []).append(res)
@@ -504,6 +523,10 @@ def render(report: Report, sizes: list[str], header: str) -> str:
             lines.append("")
             lines.append(f"{size}: hit/miss {hit.rps / miss.rps:.2f}; "
                          f"hits among the hit path's answers {report.hit_share.get(size, 0):.1%}")
+        tenants = report.median(report.rows, ("kvgate miss +auth+limits", size))
+        if miss and tenants:
+            lines.append(f"{size}: miss with an API key and three limits (rpm, tpm, concurrency) / without "
+                         f"{tenants.rps / miss.rps:.2f} req/s, {tenants.cpu_us - miss.cpu_us:+.0f} µs CPU/req")
     return "\n".join(lines)
 
 

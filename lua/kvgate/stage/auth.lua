@@ -42,7 +42,8 @@ function _M.access(kctx, cfg)
     if tenant.key_in_query(var.args) then
         return refuse(IN_QUERY)
     end
-    local token, why = tenant.bearer(ngx.req.get_headers()["authorization"])
+    -- $http_authorization: nginx itself refuses a repeated Authorization header (400)
+    local token, why = tenant.bearer(var.http_authorization)
     local id, key_id
     if token then
         local found, second = tenant.resolve(cfg, token)
