@@ -62,7 +62,7 @@ _M.MAX_CHUNKS = 8192
 -- hold a prefix it lost gets a request any node would have computed in full), erring short
 -- costs hits: on the demo replay (2,000 requests) the ratio to the ceiling went 0.83-0.89
 -- -> 0.87 with twice the capacity, and continuations after a 12-28 s gap stayed home 2x more.
-_M.REMEMBER = 2
+_M.REMEMBER = 4
 
 local P1 = 0x9E3779B185EBCA87ULL
 local P2 = 0xC2B2AE3D27D4EB4FULL

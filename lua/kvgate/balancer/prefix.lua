@@ -19,11 +19,12 @@
 --      The eligible node with the longest match wins. Ties (and no
 --      match: every eligible node ties at 0) of a request with a session or user key walk the
 --      ring from the key's point to the first tied node (chash_bounded's choice among them);
---      without such a key they go to the least loaded tied node (in-flight prefill per unit
---      of weight: a tie means no node is better for the cache, so the request evens out the
---      load), equal loads by the ring from the point of the request's first chunk that no node
---      holds (what tells this conversation from the others sharing its system prompt: the
---      window, found per request). A longest match given up for the bound or the queue is a
+--      without such a key they walk the ring to the first tied node loaded at most as much as
+--      the tied nodes' mean (in-flight prefill per unit of weight: a tie is no cache reason to
+--      prefer a node, so the request evens out the load), from the point of the request's
+--      first chunk that no node holds (what tells this conversation from the others sharing
+--      its system prompt: the window, found per request; a later turn whose history the index
+--      forgot goes where the first went, while that node is not above the mean). A longest match given up for the bound or the queue is a
 --      spill (kvgate_route_spill_total{node = the node given up}).
 --   3. record: the picked node's chain goes into the index (shared-dict writes, allowed in
 --      balancer_by_lua), the request's tokens less what the node holds into its load.
@@ -56,6 +57,9 @@ local crc32_long = ngx.crc32_long
 local _M = {}
 
 _M.NAME = "prefix"
+-- how far past its bound the sole holder of the longest match keeps a request (see pick)
+_M.STICKY = 2
+local STICKY = _M.STICKY
 
 local spills = metrics.counter(keys.METRICS.route_spill, { "pool", "node" })
 
@@ -172,8 +176,7 @@ function _M.pick(b, st, tried)
     local total = (d and d:get(b.total_key) or 0) + pool_waiting(b.pool) * b.avg
     local c, W, sat, avg, cost0, ct = b.c, b.W, b.sat, b.avg, st.cost or 1, b.chunk_tokens
     local best, top, top_why = 0, nil, nil
-    -- the deepest and second deepest match among the candidates: what the deepest holds
-    -- alone is prefill a spill from it would add elsewhere
+    -- the deepest and second deepest match among the candidates
     local d1, d2 = 0, 0
     for i = 1, #nodes do
         local node = nodes[i]
@@ -205,11 +208,11 @@ function _M.pick(b, st, tried)
                 end
                 node.cost = cost
                 node.share = l / node.w
-                -- the node holding alone the longest match may exceed its bound by what it
-                -- holds alone: a spill would add that much prefill elsewhere, more than the
-                -- excess it relieves (a match others share, a system prompt, gives nothing)
-                local alone = node.depth == d1 and (d1 - d2) * ct or 0
-                if not eligible(l - alone, cost, total, c, node.w, W) then
+                -- sticky until saturated: the node that alone holds the longest match keeps the
+                -- request up to STICKY x the bound (a spill recomputes what it alone holds; a
+                -- part every node holds, a system prompt, gives no such right)
+                local cn = (node.depth == d1 and d1 > d2) and c * STICKY or c
+                if not eligible(l, cost, total, cn, node.w, W) then
                     why = "bound"
                 end
             end
@@ -227,21 +230,25 @@ function _M.pick(b, st, tried)
     local keyed = st.keyed and st.point
     local point = keyed and st.point or chain_point(best < n and best or n - 1)
     -- the candidates: the eligible nodes with the longest match (every eligible node when none
-    -- matches); without a session/user key only the least loaded of them (load per weight): a
-    -- tie means no node is better for the cache, so the request evens out the load
-    local least
+    -- matches); without a session/user key only those loaded at most as much as their mean
+    -- (load per weight): a tie is no cache reason to prefer a node, so the request evens out
+    -- the load, and among those the ring from the request's own point keeps a conversation
+    -- whose history the index forgot where its first turn went
+    local limit
     if not keyed then
+        local sum, cnt = 0, 0
         for i = 1, #nodes do
             local nd = nodes[i]
-            if nd.ok and nd.depth == best and (not least or nd.share < least) then
-                least = nd.share
+            if nd.ok and nd.depth == best then
+                sum, cnt = sum + nd.share, cnt + 1
             end
         end
+        limit = cnt > 0 and sum / cnt or nil
     end
     local ties, last = 0, nil
     for i = 1, #nodes do
         local nd = nodes[i]
-        if nd.ok and nd.depth == best and (not least or nd.share == least) then
+        if nd.ok and nd.depth == best and (not limit or nd.share <= limit) then
             nd.tie = true
             ties = ties + 1
             last = nd
