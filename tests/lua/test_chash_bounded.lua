@@ -280,4 +280,28 @@ H.test("bound_load requests: every request counts 1, whatever its size", functio
     H.eq(total(), 0)
 end)
 
+H.test("runtime_doc: bound_factor, bound_load, saturated_queue checked at their paths (all optional)", function()
+    local rd = require "kvgate.runtime_doc"
+    local cfg = { pools = { p = { nodes = { { id = "a" } } } } }
+    local function doc(extra)
+        local pool = { balancer = "chash_bounded", nodes = { a = { weight = 100, state = "active" } } }
+        for k, v in pairs(extra) do pool[k] = v end
+        return { pools = { p = pool }, cache = { namespace_version = 1 } }
+    end
+    H.eq(rd.check(doc({}), cfg), true)
+    H.eq(rd.check(doc({ bound_factor = 1.25, bound_load = "requests", saturated_queue = 0 }), cfg), true)
+    for _, bad in ipairs({
+        { { bound_factor = 1 }, "pools.p.bound_factor" },
+        { { bound_factor = "2" }, "pools.p.bound_factor" },
+        { { bound_factor = 101 }, "pools.p.bound_factor" },
+        { { bound_load = "bytes" }, "pools.p.bound_load" },
+        { { saturated_queue = -1 }, "pools.p.saturated_queue" },
+        { { saturated_queue = 1.5 }, "pools.p.saturated_queue" },
+    }) do
+        local ok, _, param = rd.check(doc(bad[1]), cfg)
+        H.eq(ok, nil, bad[2])
+        H.eq(param, bad[2])
+    end
+end)
+
 H.done()
