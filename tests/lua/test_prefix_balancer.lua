@@ -253,6 +253,29 @@ H.test("a longest match over its bound gives way to the next eligible node, coun
     H.eq(load_dict:get(b.by_id[got[1]].load_key), 0)
 end)
 
+H.test("sticky until saturated: the sole holder keeps the request up to STICKY x its bound", function()
+    reset()
+    local b = assert(prefix.new(pool(4)))
+    local first = words(31, 12 * CHUNK)
+    local home = request(b, chat(first))[1]
+    local function put(id, tokens)
+        load_dict:incr(b.by_id[id].load_key, tokens, 0)
+        load_dict:incr(b.total_key, tokens, 0)
+    end
+    -- home at 2000 tokens in flight, the others at 1000: over 1.25 x its share (1,560), under 2.5 x
+    for _, id in ipairs({ "a", "b", "c", "d" }) do
+        put(id, id == home and 2000 or 1000)
+    end
+    local got, kctx = request(b, chat(first, words(32, CHUNK)))
+    H.eq(got[1], home)
+    H.eq(kctx.balancer.spill, nil)
+    -- at 6000 (over 2.5 x its share of 9,000: 5,625): it gives way, counted
+    put(home, 4000)
+    got, kctx = request(b, chat(first, words(33, CHUNK)))
+    H.ne(got[1], home)
+    H.eq(kctx.balancer.spill, "bound")
+end)
+
 H.test("failover: the retry goes to the key's next node on the ring; the failed node is skipped after", function()
     reset()
     local b = assert(prefix.new(pool(4)))
