@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import threading
+import types
 from typing import Any
 
 from kvgate.policy import parse_policy_text
@@ -94,6 +95,8 @@ class FakePlane:
             for n in self.policy.nodes()}
         self.calls: list[tuple[str, tuple, dict]] = []
         self._fail: dict[str, BaseException] = {}
+        # the plane's published state (kvgate.control.views.Snapshot); views read its gateway scrape
+        self.snapshot = types.SimpleNamespace(gateway={"ok": True, "breaker": {}})
 
     # -------------------------------------------------------------- test hooks
     def fail(self, method: str, exc: BaseException) -> None:

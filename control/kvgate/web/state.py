@@ -27,6 +27,7 @@ class Services(Protocol):
     lock: AbstractContextManager     # held around an action's check and the action
     gateway_ok: bool
     namespace_in_force: int
+    snapshot: Any                    # kvgate.control.views.Snapshot (its gateway scrape: breakers)
 
     def nodes_view(self) -> list[dict[str, Any]]: ...
     def node_view(self, node_id: str) -> dict[str, Any]: ...
