@@ -330,6 +330,7 @@ def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
         "limits": {"on_redis_error": policy.limits.on_redis_error,
                    "fallback_factor": policy.limits.fallback_factor,
                    "default_max_tokens": policy.limits.default_max_tokens,
+                   "session_burst_s": policy.limits.session_burst_s,
                    "slot_ttl_s": max(600.0, 2 * gw.read_timeout_s)},
         "debug_headers": gw.debug_headers,
         "fallback_route_key": gw.fallback_route_key,

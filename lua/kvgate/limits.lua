@@ -147,14 +147,15 @@ function _M.duration(ms)
     return format("%dm%ds", floor(s / 60), floor(s % 60))
 end
 
---- plan(t_id, lim, kt, route, tokens, slot_ttl_ms, request_id) -> buckets
+--- plan(t_id, lim, kt, route, tokens, slot_ttl_ms, request_id, session_burst_s) -> buckets
 -- buckets: list of {key, kind, cap, win, cost, name} for the limits that apply (lim: the
 -- tenant's limits from kvgate.json; kt: kctx.tenant (key_id); route: kctx.route)
-function _M.plan(t_id, lim, kt, route, tokens, slot_ttl_ms, request_id)
+function _M.plan(t_id, lim, kt, route, tokens, slot_ttl_ms, request_id, session_burst_s)
     local b, n = {}, 0
-    local function add(key, kind, cap, win, cost, name)
+    -- limit: the policy's figure (per minute, or at once), for messages; cap: what the bucket holds
+    local function add(key, kind, cap, win, cost, name, limit)
         n = n + 1
-        b[n] = { key = key, kind = kind, cap = cap, win = win, cost = cost, name = name }
+        b[n] = { key = key, kind = kind, cap = cap, win = win, cost = cost, name = name, limit = limit or cap }
     end
     if lim.rpm then
         add(_M.bucket_key(t_id, "rpm"), "b", lim.rpm, _M.WINDOW_MS, 1, "rpm")
@@ -163,8 +164,14 @@ function _M.plan(t_id, lim, kt, route, tokens, slot_ttl_ms, request_id)
         add(_M.bucket_key(t_id, "tpm"), "b", lim.tpm, _M.WINDOW_MS, tokens, "tpm")
     end
     if lim.session_rpm and route.kind == "session" and route.key and route.key ~= "" then
-        add(_M.bucket_key(t_id, "rpm", "s:" .. sub(hash.sha256_hex(route.key), 1, 16)), "b", lim.session_rpm,
-            _M.WINDOW_MS, 1, "session_rpm")
+        -- a session's bucket holds session_burst_s of its rate (at least one request), refilled
+        -- at session_rpm a minute: cap / win = session_rpm / 60 s
+        local cap = floor(lim.session_rpm * (session_burst_s or 2) / 60)
+        if cap < 1 then
+            cap = 1
+        end
+        add(_M.bucket_key(t_id, "rpm", "s:" .. sub(hash.sha256_hex(route.key), 1, 16)), "b", cap,
+            floor(cap * _M.WINDOW_MS / lim.session_rpm), 1, "session_rpm", lim.session_rpm)
     end
     if kt.key_id then
         if lim.key_rpm then

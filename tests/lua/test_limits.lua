@@ -41,6 +41,13 @@ H.test("plan: only the limits that apply, keyed by tenant, session digest and ke
     H.eq(b[2].cost, 300)
     H.truthy(b[3].key:match("^kvgate:rl:t1:s:%x+:rpm$"), b[3].key)
     H.eq(#b[3].key, #"kvgate:rl:t1:s::rpm" + 16)
+    -- a session's bucket holds 2 s of its rate by default (session_rpm 10: one request, every 6 s)
+    H.eq(b[3].cap, 1)
+    H.eq(b[3].win, 6000)
+    H.eq(b[3].limit, 10)
+    local s120 = limits.plan("t1", { session_rpm = 120 }, {}, { kind = "session", key = "s:x" }, 1, 1, "r", 5)[1]
+    H.eq(s120.cap, 10)
+    H.eq(s120.win, 5000)
     H.eq(b[4].key, "kvgate:rl:t1:k:key_0123456789ab:rpm")
     H.eq(b[6].kind, "c")
     H.eq(b[6].cost, "req1")

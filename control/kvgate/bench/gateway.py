@@ -570,7 +570,9 @@ def bench_command() -> None:
     """Benchmarks that print numbers (the trace replay is `kvgate replay`)."""
 
 
+from .hot_session import hot_session_command  # noqa: E402  (kvgate bench hot-session)
 from .peers import peers_command  # noqa: E402  (kvgate bench peers: the peer routers side by side)
 
 bench_command.add_command(gateway_command)
+bench_command.add_command(hot_session_command)
 bench_command.add_command(peers_command)

@@ -723,6 +723,10 @@ class LimitsConfig(_Strict):
         1024, ge=1, strict=True, description="Completion tokens reserved for a request without `max_tokens` "
         "(settled to its `usage` when it ends).",
     )
+    session_burst_s: float = Field(
+        2.0, gt=0, le=60, description="A session's bucket holds this many seconds of its `session_rpm` (at least "
+        "one request): a hot conversation is held to its rate within seconds, not after a minute's burst.",
+    )
 
 
 class TenantConfig(_Strict):

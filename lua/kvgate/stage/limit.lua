@@ -77,7 +77,7 @@ function _M.access(kctx, cfg)
     end
     local tokens = load.estimate(#r.body) + floor(mt) * floor(n)
     local buckets = limits.plan(id, lim, kt, kctx.route, tokens, floor(cfg.limits.slot_ttl_s * 1000),
-        var.request_id)
+        var.request_id, cfg.limits.session_burst_s)
     for i = 1, #buckets do
         local bk = buckets[i]
         if bk.kind == "b" and bk.cost > bk.cap then
@@ -123,7 +123,7 @@ function _M.access(kctx, cfg)
         l[i] = left
         headers(buckets, l)
     end
-    return refuse(id, bk, retry_ms, "Rate limit reached for " .. NAMES[bk.name] .. ": Limit " .. bk.cap ..
+    return refuse(id, bk, retry_ms, "Rate limit reached for " .. NAMES[bk.name] .. ": Limit " .. bk.limit ..
         ". Please try again in " .. limits.duration(retry_ms) .. ".")
 end
 
