@@ -150,18 +150,29 @@ end
 --- plan(t_id, lim, kt, route, tokens, slot_ttl_ms, request_id, session_burst_s) -> buckets
 -- buckets: list of {key, kind, cap, win, cost, name} for the limits that apply (lim: the
 -- tenant's limits from kvgate.json; kt: kctx.tenant (key_id); route: kctx.route)
+local tenant_keys = {} -- tenant id -> {rpm, tpm, concurrency} bucket keys (the tenants are the policy's)
+
+-- add(b, n, key, kind, cap, win, cost, name, limit) -> n + 1 (limit: the policy's figure, per
+-- minute or at once, for messages; cap: what the bucket holds)
+local function add(b, n, key, kind, cap, win, cost, name, limit)
+    n = n + 1
+    b[n] = { key = key, kind = kind, cap = cap, win = win, cost = cost, name = name, limit = limit or cap }
+    return n
+end
+
 function _M.plan(t_id, lim, kt, route, tokens, slot_ttl_ms, request_id, session_burst_s)
     local b, n = {}, 0
-    -- limit: the policy's figure (per minute, or at once), for messages; cap: what the bucket holds
-    local function add(key, kind, cap, win, cost, name, limit)
-        n = n + 1
-        b[n] = { key = key, kind = kind, cap = cap, win = win, cost = cost, name = name, limit = limit or cap }
+    local tk = tenant_keys[t_id]
+    if not tk then
+        tk = { rpm = _M.bucket_key(t_id, "rpm"), tpm = _M.bucket_key(t_id, "tpm"),
+               concurrency = _M.bucket_key(t_id, "concurrency") }
+        tenant_keys[t_id] = tk
     end
     if lim.rpm then
-        add(_M.bucket_key(t_id, "rpm"), "b", lim.rpm, _M.WINDOW_MS, 1, "rpm")
+        n = add(b, n, tk.rpm, "b", lim.rpm, _M.WINDOW_MS, 1, "rpm")
     end
     if lim.tpm then
-        add(_M.bucket_key(t_id, "tpm"), "b", lim.tpm, _M.WINDOW_MS, tokens, "tpm")
+        n = add(b, n, tk.tpm, "b", lim.tpm, _M.WINDOW_MS, tokens, "tpm")
     end
     if lim.session_rpm and route.kind == "session" and route.key and route.key ~= "" then
         -- a session's bucket holds session_burst_s of its rate (at least one request), refilled
@@ -170,19 +181,20 @@ function _M.plan(t_id, lim, kt, route, tokens, slot_ttl_ms, request_id, session_
         if cap < 1 then
             cap = 1
         end
-        add(_M.bucket_key(t_id, "rpm", "s:" .. sub(hash.sha256_hex(route.key), 1, 16)), "b", cap,
+        n = add(b, n, _M.bucket_key(t_id, "rpm", "s:" .. sub(hash.sha256_hex(route.key), 1, 16)), "b", cap,
             floor(cap * _M.WINDOW_MS / lim.session_rpm), 1, "session_rpm", lim.session_rpm)
     end
     if kt.key_id then
         if lim.key_rpm then
-            add(_M.bucket_key(t_id, "rpm", "k:" .. kt.key_id), "b", lim.key_rpm, _M.WINDOW_MS, 1, "key_rpm")
+            n = add(b, n, _M.bucket_key(t_id, "rpm", "k:" .. kt.key_id), "b", lim.key_rpm, _M.WINDOW_MS, 1, "key_rpm")
         end
         if lim.key_tpm then
-            add(_M.bucket_key(t_id, "tpm", "k:" .. kt.key_id), "b", lim.key_tpm, _M.WINDOW_MS, tokens, "key_tpm")
+            n = add(b, n, _M.bucket_key(t_id, "tpm", "k:" .. kt.key_id), "b", lim.key_tpm, _M.WINDOW_MS, tokens,
+                "key_tpm")
         end
     end
     if lim.concurrency then
-        add(_M.bucket_key(t_id, "concurrency"), "c", lim.concurrency, slot_ttl_ms, request_id, "concurrency")
+        n = add(b, n, tk.concurrency, "c", lim.concurrency, slot_ttl_ms, request_id, "concurrency")
     end
     return b
 end

@@ -146,6 +146,7 @@ local semaphore
 local sender_on = false
 local work
 local queue, queued = {}, 0
+local free, nfree = {}, 0
 
 local function sender(premature, cfg_of)
     if premature then
@@ -209,14 +210,27 @@ function _M.call(cfg, cmd)
         end
         return replies[1]
     end
-    local it = { cmd = cmd, cfg = cfg, sema = semaphore.new(0) }
+    -- a semaphore from this worker's free list (one is posted once and waited once per call)
+    local sema = free[nfree]
+    if sema then
+        free[nfree] = nil
+        nfree = nfree - 1
+    else
+        sema = semaphore.new(0)
+    end
+    local it = { cmd = cmd, cfg = cfg, sema = sema }
     queued = queued + 1
     queue[queued] = it
     if queued == 1 then
         work:post(1)
     end
-    it.sema:wait((cfg.timeout_ms or 200) / 1000 + 0.05)
+    local ok = sema:wait((cfg.timeout_ms or 200) / 1000 + 0.05)
+    if ok and nfree < 256 then
+        nfree = nfree + 1
+        free[nfree] = sema
+    end
     if not it.done then
+        -- (the semaphore is dropped: its post may still come)
         return nil, "no reply from the batch sender in time"
     end
     if it.err then
