@@ -426,7 +426,7 @@ def test_compose_policy_is_the_demo_policy_at_container_addresses() -> None:
     for demo_pool, pool in zip(DEMO.pools, POLICY.pools, strict=True):
         assert pool.model_copy(update={"nodes": demo_pool.nodes}) == demo_pool, "only the nodes differ"
     assert [(a.id, a.weight) for a in POLICY.nodes()] == [(d.id, d.weight) for d in DEMO.nodes()]
-    for field in ("simulator", "cache", "health", "weights", "ramp", "drain"):
+    for field in ("simulator", "cache", "health", "weights", "ramp", "drain", "tenants", "limits"):
         assert getattr(POLICY, field) == getattr(DEMO, field), field
     assert POLICY.gateway.model_copy(update={"listen": DEMO.gateway.listen}) == DEMO.gateway
 
