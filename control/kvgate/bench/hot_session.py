@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import statistics
+import socket
 import sys
 import tempfile
 import time
@@ -31,6 +31,12 @@ import click
 import yaml
 
 MODEL = "bench-model"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _policy(ports: dict[str, int], node_ports: list[int], session_rpm: int, max_num_seqs: int,
@@ -143,7 +149,6 @@ def hot_session_command(seconds: float, others: int, interval: float, hot_rps: f
                         max_tokens: int, hot_max_tokens: int, max_num_seqs: int, session_burst_s: float | None,
                         json_path: Path | None) -> None:
     """The others' TTFT on a node with and without a hot session, with and without a session limit."""
-    from ..bench.gateway import _free_port
     from ..control.apikeys import ApiKeys
     from ..control.store import Store
     from ..stack import Stack, StackError
