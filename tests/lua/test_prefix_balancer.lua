@@ -253,7 +253,7 @@ H.test("a longest match over its bound gives way to the next eligible node, coun
     H.eq(load_dict:get(b.by_id[got[1]].load_key), 0)
 end)
 
-H.test("sticky until saturated: the sole holder keeps the request up to STICKY x its bound", function()
+H.test("sticky until saturated: the sole holder keeps the request up to STICKY_BOUND x its share", function()
     reset()
     local b = assert(prefix.new(pool(4)))
     local first = words(31, 12 * CHUNK)

@@ -13,13 +13,16 @@
 --   2. pick: a node is eligible when chash_bounded would let the request stay there (taking
 --      traffic, not failed or tried, its engine's queue at most saturated_queue, in-flight
 --      prefill work + this request's uncached tokens within bound_factor × its weighted share:
---      chash_bounded.eligible); the node that alone holds the longest match may exceed its
---      bound by the tokens it alone holds (a spill adds that much prefill elsewhere, more than
---      the excess it relieves; a part every node holds, a system prompt, counts for nothing).
+--      chash_bounded.eligible); the node that alone holds the longest match keeps it up to
+--      STICKY_BOUND × its share ("sticky until saturated": a spill recomputes what it alone
+--      holds; a part every node holds, a system prompt, gives no such right).
 --      The eligible node with the longest match wins. Ties (and no
 --      match: every eligible node ties at 0) of a request with a session or user key walk the
 --      ring from the key's point to the first tied node (chash_bounded's choice among them);
---      without such a key they walk the ring to the first tied node loaded at most as much as
+--      a node ties with the longest match when what it leaves to compute is within TIE (10 %)
+--      and a chunk of it (a shared system prompt held by 2 of 4 nodes is no reason to keep
+--      the other 2 idle); without such a key they walk the ring to the first tied node loaded
+--      at most as much as
 --      the tied nodes' mean (in-flight prefill per unit of weight: a tie is no cache reason to
 --      prefer a node, so the request evens out the load), from the point of the request's
 --      first chunk that no node holds (what tells this conversation from the others sharing
@@ -57,9 +60,16 @@ local crc32_long = ngx.crc32_long
 local _M = {}
 
 _M.NAME = "prefix"
--- how far past its bound the sole holder of the longest match keeps a request (see pick)
-_M.STICKY = 2
-local STICKY = _M.STICKY
+-- the bound of the sole holder of the longest match (× its share of the pool's in-flight
+-- prefill; the pool's bound_factor when that is looser). Demo replay, 2,000 requests at
+-- bound_factor 1.25: the bound itself (1.25) spilled 54-63 continuations and kept 0.95 of
+-- the pooled ceiling, 2.5 spilled 1 and kept 1.01, imbalance 1.02-1.03 either way.
+_M.STICKY_BOUND = 2.5
+local STICKY_BOUND = _M.STICKY_BOUND
+-- nodes whose part of the prompt left to compute is within TIE of the longest match's (and a
+-- chunk) tie with it: a few percent of prefill is no reason to pile requests on a node
+_M.TIE = 0.1
+local TIE = _M.TIE
 
 local spills = metrics.counter(keys.METRICS.route_spill, { "pool", "node" })
 
@@ -138,6 +148,19 @@ function _M.start(b, st, kctx)
     st.held = held
 end
 
+-- cost_at(cost, depth, ct) -> the tokens left to compute of a request of `cost` tokens on a
+-- node holding `depth` chunks of ct tokens
+local function cost_at(cost, depth, ct)
+    local left = cost - depth * ct
+    return left > 0 and left or 0
+end
+
+-- near(a, b, ct) -> true when computing a tokens is about as good as computing b (b <= a):
+-- within TIE of b, and a chunk
+local function near(a, b, ct)
+    return a <= b * (1 + TIE) + ct
+end
+
 local function skip_not_tie(node)
     return not node.tie
 end
@@ -176,7 +199,8 @@ function _M.pick(b, st, tried)
     local total = (d and d:get(b.total_key) or 0) + pool_waiting(b.pool) * b.avg
     local c, W, sat, avg, cost0, ct = b.c, b.W, b.sat, b.avg, st.cost or 1, b.chunk_tokens
     local best, top, top_why = 0, nil, nil
-    -- the deepest and second deepest match among the candidates
+    -- the deepest and second deepest match among the candidates: the deepest holds the
+    -- longest match alone when the second leaves more than TIE more of the prompt to compute
     local d1, d2 = 0, 0
     for i = 1, #nodes do
         local node = nodes[i]
@@ -209,9 +233,11 @@ function _M.pick(b, st, tried)
                 node.cost = cost
                 node.share = l / node.w
                 -- sticky until saturated: the node that alone holds the longest match keeps the
-                -- request up to STICKY x the bound (a spill recomputes what it alone holds; a
-                -- part every node holds, a system prompt, gives no such right)
-                local cn = (node.depth == d1 and d1 > d2) and c * STICKY or c
+                -- request up to STICKY_BOUND x its share (or the bound, if looser): a spill
+                -- recomputes what it alone holds; a part every node holds, a system prompt,
+                -- gives no such right
+                local sole = node.depth == d1 and not near(cost_at(cost0, d2, ct), cost, ct)
+                local cn = (sole and STICKY_BOUND > c) and STICKY_BOUND or c
                 if not eligible(l, cost, total, cn, node.w, W) then
                     why = "bound"
                 end
@@ -229,17 +255,20 @@ function _M.pick(b, st, tried)
     end
     local keyed = st.keyed and st.point
     local point = keyed and st.point or chain_point(best < n and best or n - 1)
-    -- the candidates: the eligible nodes with the longest match (every eligible node when none
-    -- matches); without a session/user key only those loaded at most as much as their mean
-    -- (load per weight): a tie is no cache reason to prefer a node, so the request evens out
-    -- the load, and among those the ring from the request's own point keeps a conversation
-    -- whose history the index forgot where its first turn went
+    -- the candidates: the eligible nodes whose part of the prompt left to compute is near the
+    -- longest match's (within TIE of it, and a chunk), every eligible node when none matches;
+    -- without a session/user key only those loaded at most as much as their mean (load per
+    -- weight): a few percent of prefill is no cache reason to prefer a node (a shared system
+    -- prompt held by two of four nodes would otherwise keep the other two idle), so the
+    -- request evens out the load, and among those the ring from the request's own point keeps
+    -- a conversation whose history the index forgot where its first turn went
+    local best_cost = cost_at(cost0, best, ct)
     local limit
     if not keyed then
         local sum, cnt = 0, 0
         for i = 1, #nodes do
             local nd = nodes[i]
-            if nd.ok and nd.depth == best then
+            if nd.ok and near(nd.cost, best_cost, ct) then
                 sum, cnt = sum + nd.share, cnt + 1
             end
         end
@@ -248,7 +277,7 @@ function _M.pick(b, st, tried)
     local ties, last = 0, nil
     for i = 1, #nodes do
         local nd = nodes[i]
-        if nd.ok and nd.depth == best and (not limit or nd.share <= limit) then
+        if nd.ok and near(nd.cost, best_cost, ct) and (not limit or nd.share <= limit) then
             nd.tie = true
             ties = ties + 1
             last = nd
