@@ -16,19 +16,19 @@
 --      chash_bounded.eligible); the node that alone holds the longest match keeps it up to
 --      STICKY_BOUND × its share ("sticky until saturated": a spill recomputes what it alone
 --      holds; a part every node holds, a system prompt, gives no such right).
---      The eligible node with the longest match wins. Ties (and no
---      match: every eligible node ties at 0) of a request with a session or user key walk the
---      ring from the key's point to the first tied node (chash_bounded's choice among them);
---      a node ties with the longest match when what it leaves to compute is within TIE (10 %)
---      and a chunk of it (a shared system prompt held by 2 of 4 nodes is no reason to keep
---      the other 2 idle); without such a key they walk the ring to the first tied node loaded
---      at most as much as
---      the tied nodes' mean (in-flight prefill per unit of weight: a tie is no cache reason to
---      prefer a node, so the request evens out the load), from the point of the request's
---      first chunk that no node holds (what tells this conversation from the others sharing
---      its system prompt: the window, found per request; a later turn whose history the index
---      forgot goes where the first went, while that node is not above the mean). A longest match given up for the bound or the queue is a
---      spill (kvgate_route_spill_total{node = the node given up}).
+--      The eligible node with the longest match wins; a node ties with it when what it leaves
+--      to compute is within TIE (10 %) and a chunk of the longest match's (a shared system
+--      prompt held by 2 of 4 nodes is no reason to keep the other 2 idle). Ties (and no match:
+--      every eligible node ties) of a request with a session or user key walk the ring from
+--      the key's point to the first tied node (chash_bounded's choice among them); without
+--      such a key they walk the ring to the first tied node loaded at most as much as the tied
+--      nodes' mean (in-flight prefill per unit of weight: a tie is no cache reason to prefer a
+--      node, so the request evens out the load), from the point of the request's first chunk
+--      that no node holds (what tells this conversation from the others sharing its system
+--      prompt: the window, found per request; a later turn whose history the index forgot
+--      goes where the first went, while that node is not above the mean). A longest match
+--      given up for the bound or the queue is a spill (kvgate_route_spill_total{node = the
+--      node given up}).
 --   3. record: the picked node's chain goes into the index (shared-dict writes, allowed in
 --      balancer_by_lua), the request's tokens less what the node holds into its load.
 -- A retry (failover), a request without a full chunk of prompt, and a pool without the
