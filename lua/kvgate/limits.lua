@@ -55,6 +55,7 @@ _M.ADMIT = [[
 local now = tonumber(ARGV[1])
 local n = #KEYS
 local left = {}
+local now_b = {}
 for i = 1, n do
   local b = 1 + (i - 1) * 4
   local kind, cap, win = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
@@ -63,6 +64,8 @@ for i = 1, n do
     local t, ts = tonumber(h[1]), tonumber(h[2])
     local rate = cap / win
     if not t then t = cap elseif now > ts then t = math.min(cap, t + (now - ts) * rate) end
+    -- a gateway whose clock is behind must not move ts back (the next would refill the gap again)
+    if ts and ts > now then now_b[i] = ts else now_b[i] = now end
     local cost = tonumber(ARGV[b + 4])
     if t < cost then
       local need = math.min(cost, cap) - t
@@ -83,9 +86,9 @@ for i = 1, n do
   local b = 1 + (i - 1) * 4
   local kind, cap, win = ARGV[b + 1], tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
   if kind == "b" then
-    redis.call("HSET", KEYS[i], "t", tostring(left[i]), "ts", tostring(now))
+    redis.call("HSET", KEYS[i], "t", tostring(left[i]), "ts", tostring(now_b[i] or now))
     redis.call("HINCRBY", KEYS[i], "n", 1)
-    redis.call("PEXPIRE", KEYS[i], math.max(1, math.ceil((cap - left[i]) * win / cap)))
+    redis.call("PEXPIRE", KEYS[i], math.min(2 * win, math.max(1, math.ceil((cap - left[i]) * win / cap))))
   else
     redis.call("ZADD", KEYS[i], now + win, ARGV[b + 4])
     redis.call("PEXPIRE", KEYS[i], win)
@@ -108,9 +111,10 @@ if not t then
 elseif now > ts then
   t = math.min(cap, t + (now - ts) * cap / win)
 end
-t = math.min(cap, t + delta)
+t = math.max(-cap, math.min(cap, t + delta))
+if ts and ts > now then now = ts end
 redis.call("HSET", KEYS[1], "t", tostring(t), "ts", tostring(now))
-redis.call("PEXPIRE", KEYS[1], math.max(1, math.ceil((cap - t) * win / cap)))
+redis.call("PEXPIRE", KEYS[1], math.min(2 * win, math.max(1, math.ceil((cap - t) * win / cap))))
 return math.floor(t)
 ]]
 
@@ -304,7 +308,7 @@ local function admit_local(buckets, now_s, factor)
         if bk.kind == "b" then
             k = "rl:" .. bk.key .. ":" .. w
             cost = bk.cost
-            cap = bk.cap * factor
+            cap = (bk.limit or bk.cap) * factor -- per minute (a session's cap is its burst)
         else
             k = "rl:" .. bk.key
             cost = 1
@@ -334,6 +338,8 @@ function _M.release_local(buckets, taken)
 end
 
 --- admit(cfg, buckets) -> true, left | false, {i, retry_ms, left} , how ("redis"|"local"|"deny")
+local enqueue -- (the settlements' queue, below)
+
 function _M.admit(cfg, buckets)
     local now_s = ngx.now()
     if not kredis.down() then
@@ -342,6 +348,12 @@ function _M.admit(cfg, buckets)
             return ok, detail, "redis"
         end
         kredis.trip()
+        -- the ADMIT may still run in Redis after this gave up on it: free its concurrency slot
+        for i = 1, #buckets do
+            if buckets[i].kind == "c" then
+                enqueue({ zrem = buckets[i].key, member = buckets[i].cost }, function() return cfg end)
+            end
+        end
         log.warn_every("limits-redis", 10, "kvgate limits: Redis unreachable (", detail, "): ",
             cfg.limits.on_redis_error == "deny" and "denying limited requests" or
             "each gateway counts its own fallback limits")
@@ -379,7 +391,23 @@ local function flush(premature, cfg_of)
     end
     local replies, err = kredis.pipeline(cfg.redis, cmds)
     if not replies then
-        log.warn_every("limits-settle", 10, "kvgate limits: ", n, " settlements lost: ", err)
+        -- once more a few seconds later (a failover, a blip): a lost release keeps a
+        -- concurrency slot taken until it expires
+        local again = {}
+        for i = 1, #batch do
+            if not batch[i].retried then
+                batch[i].retried = true
+                again[#again + 1] = batch[i]
+            end
+        end
+        if #again > 0 then
+            ngx.timer.at(2, function(p)
+                for i = 1, #again do
+                    enqueue(again[i], cfg_of)
+                end
+            end)
+        end
+        log.warn_every("limits-settle", 10, "kvgate limits: ", n, " settlements failed (retried once): ", err)
         return
     end
     -- a Redis that lost its scripts (restart, SCRIPT FLUSH): once more with EVAL
@@ -397,7 +425,7 @@ local function flush(premature, cfg_of)
     end
 end
 
-local function enqueue(item, cfg_of)
+enqueue = function(item, cfg_of)
     nqueue = nqueue + 1
     queue[nqueue] = item
     if not flushing then

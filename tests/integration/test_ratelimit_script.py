@@ -115,3 +115,25 @@ def test_settle_gives_back_or_takes_more_and_never_overfills(r) -> None:
     r.delete(key)
     assert r.eval(SETTLE, 1, key, now, 1000, MIN, 50) == 1000 and not r.exists(key)  # full: nothing to do
     ttls_ok(r, MIN)
+
+
+def test_a_gateway_whose_clock_is_behind_refills_nothing(r) -> None:
+    """Two gateways 2 s apart alternating on one bucket: still the bucket's rate (review
+    finding: a ts moved back let the clock that is ahead refill the gap on every request)."""
+    r.flushdb()
+    rpm = ("kvgate:rl:t:rpm", "b", 60, MIN, 1)
+    t0 = ms(1, 12, 0)
+    admitted = 0
+    for step in range(6000):  # 60 s, a request every 10 ms, gateways alternating
+        now = t0 + step * 10 + (2000 if step % 2 else 0)
+        admitted += admit(r, now, rpm)[0]
+    assert 118 <= admitted <= 124, admitted  # the 60 of the burst + 60 a minute
+
+
+def test_settle_of_a_large_excess_stays_within_bounds(r) -> None:
+    r.flushdb()
+    now = ms(1, 6, 0)
+    key = "kvgate:rl:t:tpm"
+    admit(r, now, (key, "b", 1000, MIN, 400))
+    assert r.eval(SETTLE, 1, key, now, 1000, MIN, -5000) == -1000  # at most one window of debt
+    assert 0 < r.pttl(key) <= 2 * MIN

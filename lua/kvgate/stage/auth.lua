@@ -63,6 +63,9 @@ function _M.access(kctx, cfg)
     else
         return refuse(why == "missing" and MISSING or MALFORMED)
     end
+    -- the other spellings of a client key (Azure's api-key, x-api-key) stop here too
+    clear_header("api-key")
+    clear_header("x-api-key")
     local t = cfg.tenants[id]
     if not t then
         -- a key whose tenant the policy no longer has

@@ -49,7 +49,9 @@ end
 
 local function refuse(tenant, bk, retry_ms, message)
     metrics.incr(M.ratelimited, { tenant = tenant, limit = bk.name })
-    ngx.header["Retry-After"] = tostring(ceil(retry_ms / 1000))
+    if retry_ms then
+        ngx.header["Retry-After"] = tostring(ceil(retry_ms / 1000))
+    end
     local typ = (bk.name == "tpm" or bk.name == "key_tpm") and "tokens" or "requests"
     return errors.send(429, message, "rate_limit_exceeded", nil, typ)
 end
@@ -82,7 +84,8 @@ function _M.access(kctx, cfg)
         local bk = buckets[i]
         if bk.kind == "b" and bk.cost > bk.cap then
             -- never admissible: a bucket holds at most one minute's worth
-            return refuse(id, bk, bk.win, "Request too large for " .. NAMES[bk.name] .. ": Limit " .. bk.cap ..
+            -- no Retry-After: it never succeeds, retrying does not help
+            return refuse(id, bk, nil, "Request too large for " .. NAMES[bk.name] .. ": Limit " .. bk.cap ..
                 ", Requested " .. bk.cost .. " (the prompt estimate + max_tokens). Send a shorter prompt or a " ..
                 "smaller max_tokens.")
         end
