@@ -87,7 +87,7 @@ function _M.init_worker()
     balancer.init_worker()
     shutdown.start()
     tenant.init_worker(config.get) -- API keys' last use, to Redis every few seconds
-    kredis.start_batches(config.get) -- one pipeline per batch of the requests' GETs and ADMITs
+    kredis.start_batches() -- one pipeline per batch of the requests' GETs and ADMITs
 end
 
 --- access(): the access stages in order; any of them may answer the request itself

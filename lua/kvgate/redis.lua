@@ -144,57 +144,43 @@ end
 -- most the Redis timeout + 50 ms for its reply, then takes Redis as unreachable.
 local semaphore
 local sender_on = false
-local work
 local queue, queued = {}, 0
 local free, nfree = {}, 0
 
-local function sender(premature, cfg_of)
-    if premature then
-        sender_on = false
-        return
-    end
-    while true do
-        if queued == 0 then
-            work:wait(1)
-            if queued == 0 and ngx.worker.exiting() then
-                sender_on = false
-                return
-            end
+local running = false -- a sender light thread is on (started when the queue gets its first command)
+
+local function sender(premature)
+    -- sends batches while commands wait, then ends: no thread idles in a worker (an exiting
+    -- worker waits for running timers: a reload's old workers leave as soon as they are done)
+    while queued > 0 do
+        local items, n = queue, queued
+        queue, queued = {}, 0
+        local cmds = {}
+        for i = 1, n do
+            cmds[i] = items[i].cmd
         end
-        if queued > 0 then
-            local items, n = queue, queued
-            queue, queued = {}, 0
-            local cmds = {}
-            for i = 1, n do
-                cmds[i] = items[i].cmd
+        local ok, replies, err = pcall(_M.pipeline, items[1].cfg, cmds)
+        if not ok then
+            replies, err = nil, replies
+        end
+        for i = 1, n do
+            local it = items[i]
+            if replies then
+                it.reply = replies[i]
+            else
+                it.err = err or "no reply"
             end
-            local ok, replies, err = pcall(_M.pipeline, items[1].cfg or cfg_of().redis, cmds)
-            if not ok then
-                replies, err = nil, replies
-            end
-            for i = 1, n do
-                local it = items[i]
-                if replies then
-                    it.reply = replies[i]
-                else
-                    it.err = err or "no reply"
-                end
-                it.done = true
-                it.sema:post(1)
-            end
+            it.done = true
+            it.sema:post(1)
         end
     end
+    running = false
 end
 
---- start_batches(cfg_of): this worker's batch sender (init_worker; cfg_of() -> the config)
-function _M.start_batches(cfg_of)
+--- start_batches(): this worker can batch (init_worker: ngx.semaphore is there)
+function _M.start_batches()
     semaphore = require "ngx.semaphore"
-    work = semaphore.new(0)
-    local ok, err = ngx.timer.at(0, sender, cfg_of)
-    sender_on = ok and true or false
-    if not ok then
-        ngx.log(ngx.WARN, "kvgate redis: no batch sender (each request its own round trip): ", err)
-    end
+    sender_on = true
 end
 
 --- call(cfg, cmd) -> reply | nil, err
@@ -221,8 +207,20 @@ function _M.call(cfg, cmd)
     local it = { cmd = cmd, cfg = cfg, sema = sema }
     queued = queued + 1
     queue[queued] = it
-    if queued == 1 then
-        work:post(1)
+    if not running then
+        local ok, terr = ngx.timer.at(0, sender)
+        if not ok then
+            -- no timer (lua_max_pending_timers): this command on its own
+            queue[queued] = nil
+            queued = queued - 1
+            ngx.log(ngx.WARN, "kvgate redis: no batch sender: ", terr)
+            local replies, err = _M.pipeline(cfg, { cmd })
+            if not replies then
+                return nil, err
+            end
+            return replies[1]
+        end
+        running = true
     end
     local ok = sema:wait((cfg.timeout_ms or 200) / 1000 + 0.05)
     if ok and nfree < 256 then
