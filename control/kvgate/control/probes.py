@@ -44,6 +44,12 @@ def fetch_gateway(http: requests.Session, listen: str) -> dict[str, Any]:
                         snap["errors"][n] = snap["errors"].get(n, 0) + s.value
                     t = lb.get("tenant", "none")
                     snap["tenant_requests"][t] = snap["tenant_requests"].get(t, 0) + s.value
+                elif s.name == "kvgate_upstream_failover_total":
+                    # a try that failed at this node and was passed on (the client got the next
+                    # node's answer): one of this node's errors for the passive health check
+                    n = lb.get("node", "")
+                    snap["requests"][n] = snap["requests"].get(n, 0) + s.value
+                    snap["errors"][n] = snap["errors"].get(n, 0) + s.value
                 elif s.name == "kvgate_upstream_breaker_state":
                     snap["breaker"][lb.get("node", "")] = int(s.value)
                 elif s.name == "kvgate_ratelimited_total":

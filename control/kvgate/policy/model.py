@@ -422,8 +422,8 @@ class FailoverConfig(_Strict):
         "keeps failing), seconds; at least `breaker_open_s`.",
     )
     failure_statuses: list[int] = Field(
-        default_factory=lambda: [500, 502, 503, 504],
-        description="Statuses of a node's answer that count as a failure of the node (each 500-599). Tries nginx "
+        default_factory=lambda: [502, 503, 504],
+        description="Statuses of a node's answer that count as a failure of the node (each 500-599; 500 is the default left out: an engine's 500 is an answer, judged by the passive health check). Tries nginx "
         "passes on to another node (502, 503, errors, timeouts) always count.",
     )
     keyless: Literal["p2c", "round_robin"] = Field(

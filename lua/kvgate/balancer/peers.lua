@@ -238,7 +238,7 @@ function _M.failover_settings(b, pool)
     local failures, open_s, open_max_s = breaker.settings(pool)
     b.breaker = { failures = failures, open_s = open_s, open_max_s = open_max_s }
     local fs = {}
-    for _, st in ipairs(f.failure_statuses or { 500, 502, 503, 504 }) do
+    for _, st in ipairs(f.failure_statuses or { 502, 503, 504 }) do
         fs[st] = true
     end
     b.fail_status = fs
