@@ -55,6 +55,9 @@ def markdown() -> str:
             args = typing.get_args(ann)
             if typing.get_origin(ann) is list and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
                 sub = args[0]
+            elif sub is None and type(None) in args:  # `X | None`: X's own table too
+                models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+                sub = models[0] if len(models) == 1 else None
             if sub is not None:
                 prefix = "" if path == "(top level)" else path + "."
                 sections.append((f"{prefix}{name}" + ("[]" if typing.get_origin(ann) is list else ""), sub))

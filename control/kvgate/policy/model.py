@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from .pricing import PricesConfig, UsageConfig
+
 AffinityKey = Literal["session", "user", "prefix"]
 AuthMode = Literal["off", "optional", "required"]
 Balancer = Literal["chash", "round_robin", "least_conn", "chash_bounded", "prefix"]
@@ -532,6 +534,8 @@ class PoolConfig(_Strict):
         None, description="The admission queue (omitted: none; requests go straight to the nodes).")
     prefix_index: PrefixIndexConfig = Field(default_factory=PrefixIndexConfig)
     failover: FailoverConfig = Field(default_factory=FailoverConfig)
+    prices: PricesConfig | None = Field(
+        None, description="What the pool's tokens cost (docs/costs.md); omitted: tokens are counted, money is not.")
 
     @field_validator("name")
     @classmethod
@@ -791,6 +795,7 @@ class Policy(_Strict):
     ramp: RampConfig = Field(default_factory=RampConfig)
     drain: DrainConfig = Field(default_factory=DrainConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    usage: UsageConfig = Field(default_factory=UsageConfig)
     tenants: list[TenantConfig] = Field(
         default_factory=list, description="Tenants (with `gateway.auth` optional or required); "
         "`optional` needs one with id `default`.",
