@@ -466,6 +466,7 @@ def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None, *,
     gw = policy.gateway
     conf = _env().get_template("nginx.conf.j2").render(
         gw=gw,
+        public_metrics=policy.public_metrics,
         pools=upstream_pools(policy),
         lua_dir=str(lua_dir),
         connect_timeout=_seconds(gw.connect_timeout_s),

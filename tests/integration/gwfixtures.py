@@ -220,8 +220,9 @@ class Gateway:
         return requests.post(self.url + "/v1/chat/completions", json=body, headers=headers or {}, timeout=30)
 
     def metrics(self) -> dict[str, float]:
-        """``name{sorted labels}`` → value, parsed with prometheus_client (proves it parses)."""
-        text = requests.get(self.url + "/metrics", timeout=5).text
+        """``name{sorted labels}`` → value, parsed with prometheus_client (proves it parses); from
+        the internal listener (the client listener serves /metrics only with auth off)."""
+        text = requests.get(f"http://{self.policy.gateway.internal_listen}/metrics", timeout=5).text
         out: dict[str, float] = {}
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:

@@ -81,7 +81,7 @@ def test_a_burst_waits_at_the_gateway_not_in_the_engines(agw: Gateway) -> None:
     assert codes.count(200) >= 140, codes.count(200)
     assert peak["running"] <= MAX_NUM_SEQS and peak["waiting"] <= MARK, peak
     assert max(t for _, _, t in results) < 30  # nobody waits for a client timeout
-    text = requests.get(agw.url + "/metrics", timeout=5).text
+    text = requests.get(f"http://{agw.policy.gateway.internal_listen}/metrics", timeout=5).text
     assert 'kvgate_admission_rejected_total{pool="default",priority="interactive",reason="full"}' in text
     assert "kvgate_admission_wait_seconds_count" in text
     agw.wait_metric("kvgate_admission_inflight", 0, pool="default")

@@ -250,3 +250,25 @@ def test_the_tenant_is_in_the_request_log_and_the_metrics(tgw):
         tenants = {fields.get(b"tenant", b"").decode() for _, fields in client.xrange("kvgate:log")}
         time.sleep(0.1)
     assert {"t2", "default"} <= tenants, tenants
+
+
+def test_the_client_listener_does_not_show_the_tenants_metrics(tgw):
+    """/metrics names every tenant (and its tokens and cost): with auth on, the client listener
+    answers 404 in OpenAI's format; the internal listener (loopback only) serves it."""
+    gw, _ = tgw
+    assert gw.chat("one request", max_tokens=4).status_code == 200
+    r = requests.get(gw.url + "/metrics", timeout=5)
+    assert r.status_code == 404, r.text[:200]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert "kvgate_requests_total" not in r.text
+    assert gw.metric_sum("kvgate_requests_total", tenant="default") >= 1  # the internal listener's
+
+
+def test_public_metrics_can_be_turned_on_and_defaults_to_auth_off():
+    from kvgate.policy.loader import parse_policy_text
+
+    base = "pools: [{name: p, models: [m], nodes: [{id: n1, url: 'http://127.0.0.1:8101'}]}]\n"
+    assert parse_policy_text(base).public_metrics
+    assert not parse_policy_text(base + "gateway: {auth: optional}\ntenants: [{id: default}]\n").public_metrics
+    assert parse_policy_text(base + "gateway: {auth: optional, public_metrics: true}\n"
+                             "tenants: [{id: default}]\n").public_metrics

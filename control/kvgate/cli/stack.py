@@ -75,7 +75,8 @@ def up(ctx: click.Context, policy: Path, timeout: float) -> None:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     _progress("")
-    _progress(f"gateway   http://{pol.gateway.listen}/v1   (OpenAI-compatible; metrics at /metrics)")
+    where = f"http://{pol.gateway.listen}" if pol.public_metrics else pol.gateway.internal_listen
+    _progress(f"gateway   http://{pol.gateway.listen}/v1   (OpenAI-compatible; metrics at {where}/metrics)")
     for node in pol.nodes():
         _progress(f"node {node.id:<4} {node.url}{'  (simulated)' if node.simulate else ''}")
     _progress(f"redis     {pol.redis.url}")

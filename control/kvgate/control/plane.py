@@ -294,7 +294,7 @@ class ControlPlane:
             if probe_now:
                 self._probe_due = time.monotonic() + policy.health.probe_interval_s
         self.metrics.ticks.inc()
-        r = probes.read_round(self.http, policy.gateway.listen, urls, draining,
+        r = probes.read_round(self.http, policy.gateway.internal_listen, urls, draining,
                               policy.health.probe_timeout_s if probe_now else None, self._reports, self.store.try_instance)
         reports = r.reports or {}
         with self.changing():

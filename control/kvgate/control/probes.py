@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ..addr import connect_address
 from ..fleet.changes import Event, event
 from ..fleet.events import EventKind
+from ..gateway import dynamic
 
 
 def empty_gateway() -> dict[str, Any]:
@@ -22,16 +23,20 @@ def empty_gateway() -> dict[str, Any]:
 
 
 def fetch_gateway(http: requests.Session, listen: str) -> dict[str, Any]:
-    """The gateway's figures from its ``/metrics`` (``listen``: ``gateway.listen``):
+    """The gateway's figures from its ``/metrics`` on its internal listener (``listen``:
+    ``gateway.internal_listen``, HOST:PORT or ``unix:/path``; the client listener serves
+    ``/metrics`` only with ``auth: off``, ``gateway.public_metrics``):
     ``{"ok": bool, "inflight": {node: kvgate_upstream_inflight}, "requests": {node: answers},
     "errors": {node: 5xx answers}, "failovers": {pool: kvgate_failovers_total}, "tenant_requests":
     {tenant: answers}, "ratelimited": {tenant: kvgate_ratelimited_total}, "breaker": {node:
     kvgate_upstream_breaker_state (0 closed, 1 open, 2 half-open)}}`` (cumulative counters),
     plus ``"error"`` when it could not be read (2 s timeout)."""
-    url = f"http://{connect_address(listen)}/metrics"
     snap = empty_gateway()
     try:
-        text = http.get(url, timeout=2).text
+        if listen.startswith("unix:"):
+            text = dynamic.get_text(listen, "/metrics", timeout=2)
+        else:
+            text = http.get(f"http://{connect_address(listen)}/metrics", timeout=2).text
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 lb = s.labels
@@ -59,7 +64,7 @@ def fetch_gateway(http: requests.Session, listen: str) -> dict[str, Any]:
                     p = lb.get("pool", "")
                     snap["failovers"][p] = snap["failovers"].get(p, 0) + s.value
         snap["ok"] = True
-    except (requests.RequestException, ValueError) as exc:
+    except (requests.RequestException, ValueError, dynamic.GatewayUnreachable) as exc:
         snap["error"] = str(exc).splitlines()[0]
     return snap
 
@@ -142,7 +147,8 @@ class Readings:
 def read_round(http: requests.Session, listen: str, urls: dict[str, str], draining: dict[str, str],
                probe_timeout_s: float | None, reports: Callable[[list[str]], dict[str, dict[str, Any]] | None],
                instance: Callable[[], str | None]) -> Readings:
-    """Read everything a round decides on: the gateway's ``/metrics`` (``listen``), the reports
+    """Read everything a round decides on: the gateway's ``/metrics`` (``listen``: its internal
+    listener), the reports
     of ``urls``' nodes and the store's marker (``reports``/``instance``: the plane's readers,
     None on a store error), every engine's ``/health`` when ``probe_timeout_s`` is given, and
     the ``draining`` engines' in-flight counts."""

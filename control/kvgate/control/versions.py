@@ -124,7 +124,7 @@ def removal_figures(plane: ControlPlane, text: str) -> dict[str, Any] | None:
         return None
     with ThreadPoolExecutor(max_workers=min(16, len(removed))) as ex:
         engine = dict(zip(removed, ex.map(probes.engine_inflight, removed.values())))
-    return {"gateway": probes.fetch_gateway(plane.http, snap.policy.gateway.listen), "engine": engine}
+    return {"gateway": probes.fetch_gateway(plane.http, snap.policy.gateway.internal_listen), "engine": engine}
 
 
 def check_restart_fields(current: Policy, policy: Policy) -> None:

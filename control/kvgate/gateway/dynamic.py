@@ -144,6 +144,25 @@ def _call(internal_listen: str, secret: str, method: str, body: bytes | None, ti
     return answer
 
 
+def get_text(internal_listen: str, path: str, timeout: float = TIMEOUT_S) -> str:
+    """``GET path`` on the internal listener (HOST:PORT or ``unix:/path``; no secret: ``/metrics``,
+    ``/kvgate/health``), the body as text. Raises :class:`GatewayUnreachable` (also for a status
+    other than 200) or ``ValueError`` (a bad address)."""
+    conn = _connection(internal_listen, timeout)
+    try:
+        conn.request("GET", path, headers={"Connection": "close"})
+        resp = conn.getresponse()
+        status, raw = resp.status, resp.read()
+    except (OSError, http.client.HTTPException) as exc:
+        raise GatewayUnreachable(f"gateway internal listener {internal_listen}: GET {path} failed: "
+                                 f"{exc or type(exc).__name__}") from None
+    finally:
+        conn.close()
+    if status != 200:
+        raise GatewayUnreachable(f"gateway internal listener {internal_listen}: GET {path} answered {status}")
+    return raw.decode("utf-8", errors="replace")
+
+
 def push(internal_listen: str, secret: str, doc: Mapping[str, Any] | str, timeout: float = TIMEOUT_S) -> tuple[int, str]:
     """Send a runtime document (a dict, or its JSON text from :func:`kvgate.render.runtime_json`)
     to ``POST /kvgate/config``. Returns ``(version, digest)`` the gateway stored it under.

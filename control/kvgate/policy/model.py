@@ -91,6 +91,11 @@ class GatewayConfig(_Strict):
         "`optional` = a request without a key is the tenant `default`'s, one with a key must carry a valid key; "
         "`required` = every request needs a valid key (401 `invalid_api_key` otherwise).",
     )
+    public_metrics: bool | None = Field(
+        None, description="Also serve `/metrics` on the client listener (`listen`). null (the default): only with "
+        "`auth: off`. With tenants the metrics name every tenant and its tokens and cost, which no tenant may "
+        "see: scrape the internal listener (`internal_listen`, loopback only) instead, as the control plane does.",
+    )
     auth_cache_ttl_s: float = Field(
         5.0, gt=0, le=300, description="How long each nginx worker trusts what Redis said about an API key "
         "(seconds): a revocation or a new key takes effect within this time.",
@@ -800,6 +805,12 @@ class Policy(_Strict):
         default_factory=list, description="Tenants (with `gateway.auth` optional or required); "
         "`optional` needs one with id `default`.",
     )
+
+    @property
+    def public_metrics(self) -> bool:
+        """Whether the client listener serves ``/metrics`` (``gateway.public_metrics``, null = ``auth: off``)."""
+        pm = self.gateway.public_metrics
+        return self.gateway.auth == "off" if pm is None else pm
 
     def node(self, node_id: str) -> NodeConfig:
         """The node with this id. Raises KeyError for an unknown id."""
