@@ -65,10 +65,15 @@ function _M.key_in_query(args)
     if not args or args == "" then
         return false
     end
-    if find(args, "kvg-", 1, true) or find(args, "kvg%2D", 1, true) or find(args, "kvg%2d", 1, true) then
+    local a = args
+    if find(a, "%", 1, true) then
+        -- percent-encoded anywhere ("k%76g-", "api%5Fkey="): compared decoded
+        a = ngx.unescape_uri(a)
+    end
+    a = lower(a)
+    if find(a, "kvg-", 1, true) then
         return true
     end
-    local a = lower(args)
     for i = 1, #QUERY_KEY_NAMES do
         local n = QUERY_KEY_NAMES[i]
         local s = find(a, n .. "=", 1, true)

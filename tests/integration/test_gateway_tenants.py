@@ -131,7 +131,8 @@ def test_non_ascii_and_repeated_authorization_headers_are_refused(tgw):
 def test_a_key_in_the_query_string_is_refused_and_never_logged(tgw):
     gw, keys = tgw
     _, secret = keys.create("t1")
-    for query in (f"api_key={secret}", f"x=1&key={secret}", f"q={secret}"):
+    encoded = "k%76g" + secret[3:]  # percent-encoded "v": the same key once decoded
+    for query in (f"api_key={secret}", f"x=1&key={secret}", f"q={secret}", f"q={encoded}", "api%5Fkey=x"):
         r = requests.post(gw.url + "/v1/chat/completions?" + query, json={"model": MODEL, "messages": [
             {"role": "user", "content": "x"}]}, headers=bearer(secret), timeout=10)
         assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key", r.text
