@@ -7,8 +7,11 @@
 -- cfg.auth.cache_ttl_s (default 5 s): a revocation or a new key takes effect within that time.
 -- While Redis cannot be reached, a key the worker saw valid stays valid until cfg.auth.stale_s
 -- after its last successful check; a key never seen answers 503 `auth_unavailable` (nothing
--- may use a GPU on an unverified key). One lookup per digest at a time per worker: the others
--- use the stale answer meanwhile.
+-- may use a GPU on an unverified key). "Seen" is the gateway's, not the worker's: each valid
+-- answer from Redis is also written to lua_shared_dict kvgate_auth (digest -> "<checked at>
+-- <tenant> <key id>", TTL stale_s), so a worker that never saw the key before the outage
+-- accepts it too; an answer of revoked or unknown deletes it there. One lookup per digest at
+-- a time per worker: the others use the stale answer meanwhile.
 --
 -- last_used: each resolved key is marked in a per-worker table; a timer writes the marks every
 -- few seconds in one pipeline (a script that touches only an existing record).
@@ -27,12 +30,15 @@ local find = string.find
 local pairs = pairs
 local tostring = tostring
 local format = string.format
+local tonumber = tonumber
 
 local _M = {}
 
 _M.MAX_TOKEN = 256         -- bytes of a Bearer token (kvgate's are 47): longer is malformed
 _M.CACHE_ITEMS = 10000     -- digests each worker remembers
 _M.USED_FLUSH_S = 5        -- how often last_used marks go to Redis
+
+_M.DICT = "kvgate_auth"
 
 local cache = lrucache.new(_M.CACHE_ITEMS)
 local refreshing = {}      -- digest -> true while a coroutine of this worker asks Redis
@@ -112,6 +118,33 @@ local function fetch(cfg, digest)
     return { tenant = tenant, key_id = id ~= ngx.null and id or nil }
 end
 
+-- the gateway-wide memory of valid keys (kvgate_auth), for a Redis outage; absent dict: none
+local function remember(a, digest, got)
+    local d = ngx.shared[_M.DICT]
+    if not d or a.stale_s <= 0 then
+        return
+    end
+    if got.tenant then
+        d:set(digest, format("%.3f %s %s", got.at, got.tenant, got.key_id or ""), a.stale_s)
+    else
+        d:delete(digest)
+    end
+end
+
+-- the last valid answer any worker of this gateway had for digest, or nil
+local function recall(digest)
+    local d = ngx.shared[_M.DICT]
+    local v = d and d:get(digest)
+    if not v then
+        return nil
+    end
+    local at, tenant, id = match(v, "^(%S+) (%S+) ?(%S*)$")
+    if not at then
+        return nil
+    end
+    return { tenant = tenant, key_id = id ~= "" and id or nil, at = tonumber(at) }
+end
+
 --- resolve(cfg, token) -> tenant id, key id | nil, why ("unknown" | "revoked" | "unavailable")
 -- One sha256 of the token per request (~1 µs); Redis only when this worker's answer for it is
 -- older than cfg.auth.cache_ttl_s.
@@ -126,10 +159,14 @@ function _M.resolve(cfg, token)
             refreshing[digest] = true
             local got, err = fetch(cfg, digest)
             refreshing[digest] = nil
+            if not got and not (stale and stale.tenant) then
+                stale = recall(digest) -- another worker saw it valid
+            end
             if got then
                 got.at = now()
                 entry = got
                 cache:set(digest, got, a.cache_ttl_s)
+                remember(a, digest, got)
             elseif stale and stale.tenant and now() - stale.at <= a.stale_s then
                 log.warn_every("tenant-redis", 10, "kvgate auth: Redis unreachable (", err,
                     "): keys seen valid stay valid for ", a.stale_s, " s")

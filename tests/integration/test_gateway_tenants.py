@@ -207,24 +207,24 @@ def test_the_openai_sdk_works_with_a_tenant_key(tgw):
 
 
 def test_required_auth_and_redis_down(tmp_path: Path):
-    """auth: required refuses keyless requests; with Redis stopped, a key seen valid keeps
-    working (auth_stale_s) and a key never seen gets 503 auth_unavailable, never a 5xx from nginx."""
+    """auth: required refuses keyless requests; with Redis stopped, a key the gateway saw valid
+    keeps working (auth_stale_s) in every worker, also one that never saw it (kvgate_auth), and a
+    key never seen gets 503 auth_unavailable, never a 5xx from nginx."""
     redis = _start_redis(tmp_path)
     sims = _start_sims(1, tmp_path)
     gw = None
     try:
-        # one worker: the key below is seen by the worker that answers after Redis stops
-        gw = _start_gateway(tmp_path, tenant_policy(sims, redis, auth="required", worker_processes=1), sims, redis)
+        # four workers: the key below is seen by one of them only
+        gw = _start_gateway(tmp_path, tenant_policy(sims, redis, auth="required", worker_processes=4), sims, redis)
         keys = ApiKeys(Store(redis.url))
         _, seen = keys.create("t1")
         _, unseen = keys.create("t1")
         r = gw.chat("no key", max_tokens=4)
         assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
-        for _ in range(2):
-            assert gw.chat("seen", max_tokens=4, headers=bearer(seen)).status_code == 200
+        assert gw.chat("seen", max_tokens=4, headers=bearer(seen)).status_code == 200
         redis.stop()
         time.sleep(1.2)  # past auth_cache_ttl_s: the workers must ask Redis again
-        for _ in range(6):
+        for _ in range(16):  # each on a new connection: spread over the workers
             r = gw.chat("still served", max_tokens=4, headers=bearer(seen))
             assert r.status_code == 200, r.text
         r = gw.chat("never seen", max_tokens=4, headers=bearer(unseen))
