@@ -51,6 +51,7 @@ import jinja2
 from . import paths
 from .fleet.weights import WEIGHT_SCALE  # noqa: F401 - the weight arithmetic's one home; re-exported
 from .policy.model import DEFAULT_TENANT, Policy
+from .policy.pricing import PricesConfig
 
 TENANT = "default"
 """Tenant of every request until authentication names one (part of every cache key)."""
@@ -249,6 +250,14 @@ def redis_host(policy: Policy) -> str:
     return ips[0]
 
 
+def _prices(prices: PricesConfig) -> dict[str, Any]:
+    """A pool's ``prices`` in ``kvgate.json``: ``{input, cached, output}`` in whole nano-dollars per
+    token (:meth:`PricesConfig.nano_usd_per_token`) and ``batch_discount`` (0..1, the share a batch
+    request does not pay)."""
+    t = prices.nano_usd_per_token()
+    return {"input": t.input, "cached": t.cached_input, "output": t.output, "batch_discount": prices.batch_discount}
+
+
 def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
     """The ``kvgate.json`` content (without its ``digest`` and ``lua_digest``) as a dict.
 
@@ -296,6 +305,9 @@ def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
             },
             # failover, breakers, keyless requests (lua/kvgate/breaker.lua, balancer/peers.lua)
             "failover": pool.failover.model_dump(),
+            # what a token costs (lua/kvgate/usage.lua): whole nano-dollars per token, so the
+            # request log's costs sum exactly; absent: no prices (cost "")
+            **({"prices": _prices(pool.prices)} if pool.prices is not None else {}),
         }
         for model in pool.models:
             models[model] = pool.name
@@ -327,6 +339,8 @@ def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
         "tenant_ids": sorted(tenants),
         # lua/kvgate/limits.lua; a concurrency slot of a request whose gateway died frees after
         # slot_ttl_s
+        # the request log's usage record (lua/kvgate/usage.lua): block hashes kept per prompt
+        "usage": {"log_blocks": policy.usage.log_blocks},
         "limits": {"on_redis_error": policy.limits.on_redis_error,
                    "fallback_factor": policy.limits.fallback_factor,
                    "default_max_tokens": policy.limits.default_max_tokens,
