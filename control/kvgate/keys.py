@@ -49,10 +49,14 @@ NODE_LOAD_FIELDS: tuple[str, ...] = ("received_at", "interval_s", "waiting", "ru
 queued / running requests; ``kv_use``: KV-cache use 0..1."""
 
 LOG_FIELDS: tuple[str, ...] = ("ts", "pool", "node", "status", "cache", "kind", "fp", "key", "ms", "point",
-                               "tries", "home", "spill", "tenant")
+                               "tries", "home", "spill", "tenant", "key_id", "model", "prompt", "cached",
+                               "completion", "ttft", "batch", "blocks", "cost", "saved_cache", "saved_prefix",
+                               "saved_batch")
 """The request-log entry's fields in XADD order (see ``keys.lua`` for each one's meaning);
 ``home`` (the key's home node, from the balancer) since issue 10, ``spill`` (``bound`` | ``queue``
-| ``""``: why a bounded balancer sent the key past its home) since issue 11: older entries lack them."""
+| ``""``: why a bounded balancer sent the key past its home) since issue 11, the usage record
+(``key_id`` .. ``saved_batch``: tokens, TTFT in ms, block hashes, money in integer nano-dollars,
+``""`` = unknown) since issue 13: older entries lack them."""
 
 METRICS: dict[str, str] = {
     "requests": "kvgate_requests_total",
@@ -85,6 +89,10 @@ METRICS: dict[str, str] = {
     "admission_inflight": "kvgate_admission_inflight",
     "admission_wait": "kvgate_admission_wait_seconds",
     "admission_rejected": "kvgate_admission_rejected_total",
+    "tokens": "kvgate_tokens_total",
+    "tokens_avoided": "kvgate_tokens_avoided_total",
+    "cost_usd": "kvgate_cost_usd_total",
+    "saved_usd": "kvgate_saved_usd_total",
 }
 """The gateway's metric families on ``/metrics``, by short name."""
 

@@ -147,6 +147,8 @@ function _M.access(kctx, cfg)
     local c = kctx.cache
     local entry = _M.lookup(cfg, c, r.parsed, r.endpoint, r.headers, kctx.tenant.scope)
     if entry then
+        -- the log phase reads the tokens the hit avoided from it (kvgate.usage.read)
+        c.entry = entry
         _M.serve(c, entry, r.parsed, r.endpoint)
     end
 end

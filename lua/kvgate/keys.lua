@@ -66,8 +66,22 @@ end
 --   spill   why a bounded balancer sent the key past its home: "bound" (the home over its
 --           load bound) | "queue" (the home's engine queue over saturated_queue) | ""
 --   tenant  the tenant's id (kctx.tenant.id; "" with gateway.auth off)
+-- The usage record (issue 13, kvgate.usage; integers as decimal strings, "" = unknown):
+--   key_id  the API key's id ("" without a key);  model  the request's model
+--   prompt, cached, completion  the answer's usage.prompt_tokens, its
+--           prompt_tokens_details.cached_tokens (0 without details) and completion_tokens;
+--           a cache HIT: the cached answer's prompt and completion (tokens avoided), cached 0
+--   ttft    ms from the request's start to the engine's first body byte ("" none, a hit)
+--   batch   the Batch API's id (issue 14; "" otherwise; never from a client header)
+--   blocks  the chain of block hashes of the canonical prompt (kvgate.prefix_index.chain:
+--           the pool's chunk_chars, its name as seed), 16 hex digits per full chunk, at most
+--           usage.log_blocks; "" none
+--   cost    n$ (nano-dollars) the request cost at the pool's prices (HIT 0; "" without
+--           prices or usage);  saved_cache  a HIT's full price, else 0;  saved_prefix
+--           cached × (input - cached price);  saved_batch  a batch request's discount, else 0
 _M.LOG_FIELDS = { "ts", "pool", "node", "status", "cache", "kind", "fp", "key", "ms", "point", "tries", "home",
-                  "spill", "tenant" }
+                  "spill", "tenant", "key_id", "model", "prompt", "cached", "completion", "ttft", "batch",
+                  "blocks", "cost", "saved_cache", "saved_prefix", "saved_batch" }
 
 -- The gateway's metric families (/metrics), by short name
 _M.METRICS = {
@@ -101,6 +115,10 @@ _M.METRICS = {
     admission_inflight = "kvgate_admission_inflight",
     admission_wait = "kvgate_admission_wait_seconds",
     admission_rejected = "kvgate_admission_rejected_total",
+    tokens = "kvgate_tokens_total",
+    tokens_avoided = "kvgate_tokens_avoided_total",
+    cost_usd = "kvgate_cost_usd_total",
+    saved_usd = "kvgate_saved_usd_total",
 }
 
 return _M

@@ -5,10 +5,13 @@
 --                  route   (kvgate.stage.route)    headers, route key, fingerprint (once), stash
 --                  warm    (kvgate.warm.sample)    warm-up sample of the prompt prefix (opt-in)
 --                  cache   (kvgate.cache)          lookup; a hit is answered here
+--                  usage   (kvgate.usage)          a stream asks the engine for its usage
 --   balancer       kvgate.balancer (upstreams.conf: balancer_by_lua) → kctx.balancer
 --   header filter  upstream (kvgate.stage.upstream) node, decision headers, stream guard
 --                  cache   start capturing a miss's 200
---   body filter    upstream: mid-stream failure / shutdown cut; cache: the response copy
+--   body filter    usage: the answer's end and first byte (kvgate.usage), the usage the
+--                  client did not ask for stripped; upstream: mid-stream failure / shutdown
+--                  cut; cache: the response copy
 --   log            in-flight release; log (kvgate.stage.log) counter + request-log entry,
 --                  warm (sample → entry), route (fallback/shared counters), upstream
 --                  (response time, failovers), cache (store a whole 200 from a timer)
@@ -40,6 +43,7 @@ local admission = require "kvgate.admission"
 local limits = require "kvgate.limits"
 local stage_upstream = require "kvgate.stage.upstream"
 local stage_log = require "kvgate.stage.log"
+local usage = require "kvgate.usage"
 -- preloaded here, in the master, so workers never read the file system
 require "kvgate.cache_key"
 require "kvgate.prompt"
@@ -53,13 +57,16 @@ local var = ngx.var
 local ipairs = ipairs
 local tostring = tostring
 local match = string.match
+local now = ngx.now
+local feed = usage.feed
+local strip_usage = limits.strip_usage
 
 local M = keys.METRICS
 
 local _M = {}
 
 -- the access phase's stages, in order (each: access(kctx, cfg))
-_M.ACCESS = { stage_auth, stage_request, stage_route, stage_limit, warm, cache, stage_admission }
+_M.ACCESS = { stage_auth, stage_request, stage_route, stage_limit, warm, cache, usage, stage_admission }
 local ACCESS = _M.ACCESS
 local NACCESS = #ACCESS
 
@@ -131,27 +138,21 @@ function _M.body_filter()
             admission.release(kctx.admission)
         end
     end
-    local l = kctx.limit
-    local chunk
-    if l.tpm then
-        -- the answer's end, where its usage is, for the tokens-per-minute settlement
-        chunk = ngx.arg[1]
-        l.tail = limits.tail(l.tail, chunk)
-        if l.strip then
-            -- the usage the gateway asked for on the client's behalf: taken out again, so the
-            -- client (and the cache's copy) get exactly the stream they asked for
-            if eof == nil then
-                eof = ngx.arg[2]
-            end
-            chunk = limits.strip_usage(l, chunk, eof)
-            ngx.arg[1] = chunk
+    -- the answer's end, where its usage is (tokens, cost, the TPM settlement), and the time of
+    -- its first byte (TTFT)
+    local chunk = ngx.arg[1]
+    feed(log, chunk, now())
+    if log.strip then
+        -- the usage the gateway asked for on the client's behalf: taken out again, so the
+        -- client (and the cache's copy) get exactly the stream they asked for
+        if eof == nil then
+            eof = ngx.arg[2]
         end
+        chunk = strip_usage(log, chunk, eof)
+        ngx.arg[1] = chunk
     end
     if not guard and not c.capture then
         return
-    end
-    if chunk == nil then
-        chunk = ngx.arg[1]
     end
     if eof == nil then
         eof = ngx.arg[2]
@@ -181,16 +182,22 @@ function _M.log()
     inflight.finish(kctx.log)
     load.finish(kctx.log) -- the bounded balancers' prefill tokens (kvgate.balancer.load)
     admission.release(kctx.admission) -- the pool's admission slot (or its place in the queue)
+    -- the answer's usage (a hit: its entry's, the tokens it avoided), once (kvgate.usage)
+    local klog = kctx.log
+    local hit = kctx.cache.outcome == "HIT"
+    if hit or ngx.status == 200 then
+        klog.prompt, klog.completion, klog.cached = usage.read(klog, hit and kctx.cache.entry)
+    end
     local l = kctx.limit
     if l.buckets then
         -- the concurrency slot back; reserved tokens settled to the answer's usage (a hit and
         -- a refused or failed request used none; an answer without usage keeps the reservation)
         local used
         if l.tpm then
-            if kctx.cache.outcome == "HIT" or ngx.status ~= 200 then
+            if hit or ngx.status ~= 200 then
                 used = 0
-            else
-                used = limits.used_tokens(l.tail)
+            elseif klog.prompt then
+                used = klog.prompt + klog.completion
             end
         end
         limits.settle(l, used, config.get)
@@ -199,7 +206,7 @@ function _M.log()
     if kctx.log.log_only then
         -- every node failed (@kvgate_upstream_error): counted there, logged here
         local status = ngx.status
-        local entry = stage_log.entry(kctx, "", status, "BYPASS", addr)
+        local entry = stage_log.entry(kctx, "", status, "BYPASS", addr, config.get())
         warm.log(kctx, entry, status)
         stage_log.record(entry)
         return
@@ -223,7 +230,8 @@ function _M.log()
     end
     local status = ngx.status
     stage_log.count(route.pool, node, status, outcome, route.kind, kctx.tenant.id)
-    local entry = stage_log.entry(kctx, node == "none" and "" or node, status, outcome, addr)
+    local entry = stage_log.entry(kctx, node == "none" and "" or node, status, outcome, addr, cfg)
+    stage_log.count_usage(entry)
     warm.log(kctx, entry, status)
     stage_log.record(entry)
     stage_route.log(kctx)

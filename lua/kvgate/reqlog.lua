@@ -13,6 +13,8 @@
 --     home:  the route key's home node as the pool's balancer saw it (kctx.balancer.home;
 --            "" for a cache hit or a request that was never balanced)
 --     spill: "bound" | "queue" when a bounded balancer sent the key past its home (kctx.balancer.spill), else ""
+--     .. key_id .. model .. prompt .. cached .. completion .. ttft .. batch .. blocks .. cost .. saved_cache
+--        .. saved_prefix .. saved_batch: the usage record (kvgate.usage; integers, n$ for money, "" unknown)
 --   ZINCRBY kvgate:hot:<pool>:<minute> <n> <fp>     (per fingerprint; minute = floor(ts / 60))
 --   EXPIRE  kvgate:hot:<pool>:<minute> <hot_window_s + 120>
 --   SET     kvgate:prefix:<pool>:<fp> <json> EX <ttl_s> NX   (opt-in warm-up sample, kvgate.warm.sample)
@@ -80,6 +82,11 @@ function _M.resp(cmd)
 end
 
 local XADD_HEAD -- "*<n>\r\n" and the fixed arguments up to "*", built at first use
+
+-- int(v) -> v as a decimal integer, "" for nil (unknown)
+local function int(v)
+    return v and format("%d", v) or ""
+end
 local FIELD = {} -- field name -> its bulk string
 for _, f in ipairs(keys.LOG_FIELDS) do
     FIELD[f] = bulk(f)
@@ -100,6 +107,10 @@ local function xadd(e, fp)
     local home = e.home or ""
     local spill = e.spill or ""
     local tenant = e.tenant or ""
+    local key_id, model, batch, blocks = e.key_id or "", e.model or "", e.batch or "", e.blocks or ""
+    local prompt, cached, completion, ttft = int(e.prompt), int(e.cached), int(e.completion), int(e.ttft)
+    local cost, s_cache, s_prefix, s_batch = int(e.cost), int(e.saved_cache), int(e.saved_prefix),
+        int(e.saved_batch)
     return concat({ XADD_HEAD,
         FIELD.ts, "$", #ts, "\r\n", ts, "\r\n", FIELD.pool, "$", #pool, "\r\n", pool, "\r\n",
         FIELD.node, "$", #node, "\r\n", node, "\r\n", FIELD.status, "$", #status, "\r\n", status, "\r\n",
@@ -107,14 +118,21 @@ local function xadd(e, fp)
         FIELD.fp, "$", #fp, "\r\n", fp, "\r\n", FIELD.key, "$", #key, "\r\n", key, "\r\n",
         FIELD.ms, "$", #ms, "\r\n", ms, "\r\n", FIELD.point, "$", #point, "\r\n", point, "\r\n",
         FIELD.tries, "$", #tries, "\r\n", tries, "\r\n", FIELD.home, "$", #home, "\r\n", home, "\r\n",
-        FIELD.spill, "$", #spill, "\r\n", spill, "\r\n", FIELD.tenant, "$", #tenant, "\r\n", tenant, "\r\n" })
+        FIELD.spill, "$", #spill, "\r\n", spill, "\r\n", FIELD.tenant, "$", #tenant, "\r\n", tenant, "\r\n",
+        FIELD.key_id, "$", #key_id, "\r\n", key_id, "\r\n", FIELD.model, "$", #model, "\r\n", model, "\r\n",
+        FIELD.prompt, "$", #prompt, "\r\n", prompt, "\r\n", FIELD.cached, "$", #cached, "\r\n", cached, "\r\n",
+        FIELD.completion, "$", #completion, "\r\n", completion, "\r\n", FIELD.ttft, "$", #ttft, "\r\n", ttft,
+        "\r\n", FIELD.batch, "$", #batch, "\r\n", batch, "\r\n", FIELD.blocks, "$", #blocks, "\r\n", blocks,
+        "\r\n", FIELD.cost, "$", #cost, "\r\n", cost, "\r\n", FIELD.saved_cache, "$", #s_cache, "\r\n", s_cache,
+        "\r\n", FIELD.saved_prefix, "$", #s_prefix, "\r\n", s_prefix, "\r\n", FIELD.saved_batch, "$", #s_batch,
+        "\r\n", s_batch, "\r\n" })
 end
 
 --- commands(batch, count, cfg, wire) -> cmds, xadd_positions, set_positions  (PURE)
 -- wire: the XADDs come as strings in Redis's wire format (resp() of the same command; what
 -- the flush sends), else as command tables
--- batch[1..count]: entries {ts, pool, node, status, cache, kind, fp, key, ms, point?, tries?, home?, spill?, cap?,
--- cap_ttl?}
+-- batch[1..count]: entries {ts, pool, node, status, cache, kind, fp, key, ms, point?, tries?, home?, spill?,
+-- tenant?, the usage record's fields?, cap?, cap_ttl?}
 -- cfg: the data config (per pool hot_window_s); the hot-set counts of a batch are summed
 -- per (pool, minute, fp), and each hot key gets one EXPIRE per batch.
 function _M.commands(batch, count, cfg, wire)
@@ -128,7 +146,11 @@ function _M.commands(batch, count, cfg, wire)
             "cache", e.cache or "", "kind", e.kind or "", "fp", fp, "key", e.key or "",
             "ms", tostring(e.ms),
             "point", e.point and format("%d", e.point) or "", "tries", e.tries and format("%d", e.tries) or "",
-            "home", e.home or "", "spill", e.spill or "", "tenant", e.tenant or "" }
+            "home", e.home or "", "spill", e.spill or "", "tenant", e.tenant or "",
+            "key_id", e.key_id or "", "model", e.model or "", "prompt", int(e.prompt), "cached", int(e.cached),
+            "completion", int(e.completion), "ttft", int(e.ttft), "batch", e.batch or "", "blocks", e.blocks or "",
+            "cost", int(e.cost), "saved_cache", int(e.saved_cache), "saved_prefix", int(e.saved_prefix),
+            "saved_batch", int(e.saved_batch) }
         xadds[#xadds + 1] = #cmds
         if fp ~= "" then
             local hk = _M.hot_key(e.pool, e.ts)

@@ -57,7 +57,8 @@ H.test("one XADD per entry with every field, MAXLEN ~ 100000", function()
     H.eq(f.tries, "2")
     local names = {}
     for i = 7, #c, 2 do names[#names + 1] = c[i] end
-    H.eq(table.concat(names, " "), "ts pool node status cache kind fp key ms point tries home spill tenant")
+    H.eq(table.concat(names, " "), "ts pool node status cache kind fp key ms point tries home spill tenant " ..
+        "key_id model prompt cached completion ttft batch blocks cost saved_cache saved_prefix saved_batch")
     H.eq(table.concat(names, " "), table.concat(require("kvgate.keys").LOG_FIELDS, " "), "keys.LOG_FIELDS order")
     H.eq(f.home, "", "no home: not balanced")
     f = {}
@@ -84,7 +85,26 @@ H.test("one XADD per entry with every field, MAXLEN ~ 100000", function()
     for i = 7, #c, 2 do f[c[i]] = c[i + 1] end
     H.eq(f.point, "")
     H.eq(f.tries, "")
-    H.eq(#c, 6 + 2 * 14) -- every field of keys.LOG_FIELDS (home added in issue 10, spill in 11, tenant in 12)
+    H.eq(#c, 6 + 2 * 26) -- every field of keys.LOG_FIELDS (home added in issue 10, spill in 11, tenant in 12,
+    -- the usage record in 13)
+    H.eq(f.prompt, "", "usage unknown")
+    H.eq(f.cost, "")
+    c = reqlog.commands({ entry({ key_id = "k1", model = "m", prompt = 1200, cached = 1024, completion = 7, ttft = 35,
+                                  blocks = string.rep("0123456789abcdef", 2), cost = 123456789012, saved_cache = 0,
+                                  saved_prefix = 5, saved_batch = 0 }) }, 1, CFG)[1]
+    f = {}
+    for i = 7, #c, 2 do f[c[i]] = c[i + 1] end
+    H.eq(f.key_id, "k1")
+    H.eq(f.model, "m")
+    H.eq(f.prompt, "1200")
+    H.eq(f.cached, "1024")
+    H.eq(f.completion, "7")
+    H.eq(f.ttft, "35")
+    H.eq(f.batch, "")
+    H.eq(f.blocks, string.rep("0123456789abcdef", 2))
+    H.eq(f.cost, "123456789012", "n$ beyond 2^31 as an integer")
+    H.eq(f.saved_cache, "0")
+    H.eq(f.saved_prefix, "5")
 end)
 
 H.test("hot sets: counts summed per pool/minute/fp, one EXPIRE of hot_window_s + 120 per key", function()
@@ -156,7 +176,10 @@ end)
 
 H.test("the flush's wire-format XADDs are exactly the command tables in RESP", function()
     local batch = { entry(), entry({ fp = "", kind = "fallback", key = "", point = false, tries = 0 }),
-                    entry({ home = "n2", node = "", status = 502 }) }
+                    entry({ home = "n2", node = "", status = 502 }),
+                    entry({ key_id = "k", model = "m", prompt = 10, cached = 0, completion = 3, ttft = 4, batch = "",
+                            blocks = "00ff00ff00ff00ff", cost = 99, saved_cache = 0, saved_prefix = 0,
+                            saved_batch = 0 }) }
     local tables, tx = reqlog.commands(batch, #batch, CFG)
     local wire, wx = reqlog.commands(batch, #batch, CFG, true)
     H.eq(#wire, #tables)

@@ -2,8 +2,8 @@
 -- (kvgate.limits). A tenant without limits costs one table lookup. Answers 429
 -- `rate_limit_exceeded` (OpenAI's format and type: "requests" or "tokens") with Retry-After;
 -- every answer of a limited tenant carries OpenAI's x-ratelimit-* headers for its rpm and tpm.
---   kctx.limit = {buckets, how ("redis" | "local"), taken (local), tail (the answer's last
---                 bytes, for its usage), settled}
+--   kctx.limit = {buckets, how ("redis" | "local"), taken (local), tpm (settled to the
+--                 answer's usage, kvgate.usage), settled}
 local errors = require "kvgate.errors"
 local limits = require "kvgate.limits"
 local load = require "kvgate.balancer.load"
@@ -16,7 +16,6 @@ local type = type
 local ceil = math.ceil
 local floor = math.floor
 local tostring = tostring
-local set_body_data = ngx.req.set_body_data
 
 local M = keys.METRICS
 
@@ -98,16 +97,8 @@ function _M.access(kctx, cfg)
         local l = kctx.limit
         l.buckets = buckets
         l.how = how
+        -- settled to the answer's usage (a stream's usage chunk: kvgate.usage asks for it)
         l.tpm = lim.tpm ~= nil or (lim.key_tpm ~= nil and kt.key_id ~= nil)
-        if l.tpm and req.stream == true and req.stream_options == nil then
-            -- a stream's tokens are in its usage chunk: ask the engine for it (the client
-            -- did not; strip_usage takes it out again on the way back)
-            local body = limits.ask_usage(r.body)
-            if body then
-                set_body_data(body)
-                l.strip = true
-            end
-        end
         if how == "redis" then
             headers(buckets, detail)
         else

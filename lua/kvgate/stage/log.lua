@@ -1,10 +1,12 @@
--- Stage "log" (log phase, last): the request's counter (kvgate_requests_total) and its
--- request-log entry (kvgate.reqlog buffers it; keys.LOG_FIELDS lists the fields). Runs for
--- every routed request, also after a client abort or every node failing.
+-- Stage "log" (log phase, last): the request's counters (kvgate_requests_total; the usage
+-- counters: tokens, cost, savings by lever) and its request-log entry (kvgate.reqlog buffers
+-- it; keys.LOG_FIELDS lists the fields; the usage fields from kvgate.usage). Runs for every
+-- routed request, also after a client abort or every node failing.
 local metrics = require "kvgate.metrics"
 local reqlog = require "kvgate.reqlog"
 local hash = require "kvgate.hash"
 local keys = require "kvgate.keys"
+local usage = require "kvgate.usage"
 
 local ngx = ngx
 local var = ngx.var
@@ -22,6 +24,11 @@ local _M = {}
 
 -- memoized sample keys (metrics.counter): the log phase of every request writes this one
 local requests = metrics.counter(M.requests, { "tenant", "pool", "node", "status", "cache", "route_key_kind" })
+local tokens = metrics.counter(M.tokens, { "tenant", "pool", "kind" })
+local avoided = metrics.counter(M.tokens_avoided, { "tenant", "pool", "kind" })
+local cost_usd = metrics.counter(M.cost_usd, { "tenant", "pool" })
+local saved_usd = metrics.counter(M.saved_usd, { "tenant", "pool", "lever" })
+local NANO = 1e-9
 
 -- key_hash(route_key) -> 16 hex digits of sha256(route key), "" for an empty key
 local function key_hash(key)
@@ -49,11 +56,28 @@ function _M.tries(addr)
     end
 end
 
---- entry(kctx, node, status, outcome, addr) -> the request-log entry of a routed request
--- (node: "" for none)
-function _M.entry(kctx, node, status, outcome, addr)
+--- entry(kctx, node, status, outcome, addr[, cfg]) -> the request-log entry of a routed request
+-- (node: "" for none; cfg: the data config, for the pool's prices and usage.log_blocks)
+function _M.entry(kctx, node, status, outcome, addr, cfg)
     local route = kctx.route
     local rk = route.key
+    local kl = kctx.log
+    local hit = outcome == "HIT"
+    local p, c, cached = kl.prompt, kl.completion, kl.cached
+    local pool_cfg = route.pool_cfg
+    -- batch: the Batch API's id, from a trusted source only (TODO issue 14); never a client header
+    local batch = ""
+    local cost, s_cache, s_prefix, s_batch = usage.costs(pool_cfg and pool_cfg.prices, p, c, cached, hit,
+        batch ~= "")
+    local first = kl.first
+    local r = kctx.req
+    local req = r.parsed
+    local blocks = ""
+    local ub = cfg and cfg.usage
+    if req and ub and pool_cfg then
+        local pi = pool_cfg.prefix_index
+        blocks = usage.blocks(req, r.endpoint, route.pool, pi and pi.chunk_chars, ub.log_blocks)
+    end
     return {
         ts = start_time(),
         pool = route.pool,
@@ -72,7 +96,46 @@ function _M.entry(kctx, node, status, outcome, addr)
         spill = node ~= "cache" and kctx.balancer.spill or nil,
         -- the tenant's id ("" with gateway.auth off)
         tenant = kctx.tenant.id,
+        key_id = kctx.tenant.key_id,
+        model = req and req.model,
+        prompt = p,
+        cached = cached,
+        completion = c,
+        -- an engine's first byte (not a hit's, nor the gateway's own error)
+        ttft = (first and not hit and node ~= "") and floor((first - start_time()) * 1000 + 0.5) or nil,
+        batch = batch,
+        blocks = blocks,
+        cost = cost,
+        saved_cache = s_cache,
+        saved_prefix = s_prefix,
+        saved_batch = s_batch,
     }
+end
+
+--- count_usage(e): the usage counters of a request-log entry: tokens an engine computed
+-- (kind prompt | cached | completion) or a hit avoided (prompt | completion), its cost and
+-- savings in dollars (lever cache | prefix | batch); nothing for what is 0 or unknown
+function _M.count_usage(e)
+    local t = e.tenant or "none"
+    local pool = e.pool
+    local p = e.prompt
+    if p then
+        if e.cache == "HIT" then
+            if p > 0 then avoided(p, t, pool, "prompt") end
+            if e.completion > 0 then avoided(e.completion, t, pool, "completion") end
+        else
+            if p > 0 then tokens(p, t, pool, "prompt") end
+            if e.cached > 0 then tokens(e.cached, t, pool, "cached") end
+            if e.completion > 0 then tokens(e.completion, t, pool, "completion") end
+        end
+    end
+    local cost = e.cost
+    if cost then
+        if cost > 0 then cost_usd(cost * NANO, t, pool) end
+        if e.saved_cache > 0 then saved_usd(e.saved_cache * NANO, t, pool, "cache") end
+        if e.saved_prefix > 0 then saved_usd(e.saved_prefix * NANO, t, pool, "prefix") end
+        if e.saved_batch > 0 then saved_usd(e.saved_batch * NANO, t, pool, "batch") end
+    end
 end
 
 --- count(pool, node, status, outcome, kind, tenant): kvgate_requests_total (tenant "none"
