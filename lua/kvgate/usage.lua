@@ -31,6 +31,9 @@ local tonumber = tonumber
 local floor = math.floor
 local concat = table.concat
 local tohex = bit.tohex
+local ffi = require "ffi"
+local cast = ffi.cast
+local u64p = ffi.typeof("const uint64_t *")
 
 local _M = {}
 
@@ -154,12 +157,28 @@ end
 local seeds = {} -- pool name -> its chain seed (prefix_index.seed)
 local HEX = {}
 
---- blocks(req, endpoint, pool_name, chunk, max_blocks) -> the chain of block hashes of the
--- request's canonical prompt (kvgate.prefix_index.chain, the pool's chunk_chars and name as
--- its seed): 16 hex digits per full chunk, at most max_blocks, concatenated; "" for none
-function _M.blocks(req, endpoint, pool_name, chunk, max_blocks)
+--- blocks(req, endpoint, pool_name, chunk, max_blocks[, chain, whole]) -> the chain of block
+-- hashes of the request's canonical prompt (kvgate.prefix_index.chain, the pool's chunk_chars
+-- and name as its seed): 16 hex digits per full chunk, at most max_blocks, concatenated; ""
+-- for none. chain: the same chain already computed (the prefix balancer's, kctx.balancer.chain:
+-- its uint64 hashes as a string), used when it has max_blocks hashes or covers the whole
+-- prompt (whole)
+function _M.blocks(req, endpoint, pool_name, chunk, max_blocks, chain, whole)
     if not max_blocks or max_blocks < 1 then
         return ""
+    end
+    if chain then
+        local n = #chain / 8
+        if n >= max_blocks or whole then
+            if n > max_blocks then
+                n = max_blocks
+            end
+            local h = cast(u64p, chain)
+            for k = 0, n - 1 do
+                HEX[k + 1] = tohex(h[k], 16)
+            end
+            return concat(HEX, "", 1, n)
+        end
     end
     chunk = chunk or _M.DEFAULT_CHUNK
     local cap = prefix_index.MAX_CHUNKS

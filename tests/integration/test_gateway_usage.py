@@ -6,8 +6,11 @@ token counters agree with both."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 import time
+from pathlib import Path
 
 import requests
 from kvgate import keys
@@ -138,3 +141,22 @@ def test_no_prices_no_cost(start_sims, start_redis, start_gateway) -> None:
     assert (e["cost"], e["saved_cache"], e["saved_prefix"], e["saved_batch"]) == ("", "", "", "")
     assert e["blocks"] == "", "no full chunk of prompt"
     assert gw.metric_sum("kvgate_cost_usd_total") == 0
+
+
+def _blocks_direct(messages: list[dict], pool: str) -> str:
+    """kvgate.usage.blocks computed in plain luajit from the messages (no balancer's chain)."""
+    lua = ('package.path = "./lua/?.lua;" .. package.path; package.loaded["kvgate.redis"] = {}; '
+           '_G.ngx = {shared = {}, log = function() end}; local cjson = require "cjson"; '
+           'local req = cjson.decode(io.read("*a")); '
+           f'io.write(require("kvgate.usage").blocks(req, "chat", "{pool}", {CHUNK}, 64))')
+    out = subprocess.run(["luajit", "-e", lua], input=json.dumps({"model": MODEL, "messages": messages}),
+                         capture_output=True, text=True, timeout=10, check=True, cwd=Path(__file__).parents[2])
+    return out.stdout
+
+
+def test_the_prefix_balancers_chain_is_the_logged_one(start_sims, start_redis, start_gateway) -> None:
+    gw = start_gateway(start_sims(2, prefix="w"), start_redis(), balancer="prefix", cache={"enabled": False})
+    messages = [SYSTEM, {"role": "user", "content": "The Elbe?"}]
+    assert gw.chat(messages, max_tokens=2).status_code == 200
+    (e,) = _wait_entries(gw, 1)
+    assert e["blocks"] == _blocks_direct(messages, "default") != ""

@@ -155,6 +155,18 @@ H.test("blocks: the prefix index's chain of the canonical prompt, 16 hex digits 
     H.eq(longer:sub(1, #b), b)
 end)
 
+H.test("blocks: the prefix balancer's chain, when it has them, gives the same hashes", function()
+    local req = chat(10000)
+    local p = prompt.canonical(req, "chat", 1e9)
+    local n = prefix_index.chain(p, 2048, prefix_index.seed("pool-a"), 64)
+    local chain = require("ffi").string(prefix_index.hashes, 8 * n)
+    prefix_index.chain(string.rep("z", 9000), 2048, 7ULL, 64) -- the buffer is another request's now
+    local direct = usage.blocks(req, "chat", "pool-a", 2048, 64)
+    H.eq(usage.blocks(req, "chat", "pool-a", 2048, 64, chain, true), direct)
+    H.eq(usage.blocks(req, "chat", "pool-a", 2048, 2, chain:sub(1, 16), false), direct:sub(1, 32), "enough blocks")
+    H.eq(usage.blocks(req, "chat", "pool-a", 2048, 64, chain:sub(1, 16), false), direct, "too few: computed")
+end)
+
 H.test("blocks: cost for a 48 KB prompt (printed)", function()
     local req = chat(48 * 1024 - 100)
     local N = 2000

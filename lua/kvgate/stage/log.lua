@@ -76,7 +76,9 @@ function _M.entry(kctx, node, status, outcome, addr, cfg)
     local ub = cfg and cfg.usage
     if req and ub and pool_cfg then
         local pi = pool_cfg.prefix_index
-        blocks = usage.blocks(req, r.endpoint, route.pool, pi and pi.chunk_chars, ub.log_blocks)
+        local st = kctx.balancer
+        blocks = usage.blocks(req, r.endpoint, route.pool, pi and pi.chunk_chars, ub.log_blocks, st.chain,
+            st.chain_whole)
     end
     return {
         ts = start_time(),
