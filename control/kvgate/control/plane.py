@@ -100,6 +100,8 @@ class ControlPlane:
         self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.warmups = Warmups(self)
+        self.usage: Any = None
+        """The usage rollups' consumer (:class:`kvgate.costs.rollup.UsageConsumer`), from :meth:`start`."""
 
     # ================================================================ lifecycle
     def start(self, policy_text: str | None, source: str) -> None:
@@ -119,9 +121,24 @@ class ControlPlane:
         self._store_watch.instance = self.store.try_instance()
         self._thread = threading.Thread(target=self._loop, name="kvgate-reconciler", daemon=True)
         self._thread.start()
+        from ..costs.rollup import UsageConsumer
+
+        # the usage rollups (issue 13): its own thread and Redis connection, reading the snapshot
+        self.usage = UsageConsumer(self.store.url, self._usage_state)
+        self.usage.start()
+
+    def _usage_state(self) -> tuple[Policy | None, dict[str, int]]:
+        """The policy and serving nodes per pool, for the usage consumer's round-robin baseline (no lock)."""
+        snap = self.snapshot
+        serving: dict[str, int] = {}
+        for rec in snap.nodes.values():
+            serving[rec.pool] = serving.get(rec.pool, 0) + (1 if rec.serving else 0)
+        return snap.policy, serving
 
     def stop(self) -> None:
         self.stopping.set()
+        if self.usage is not None:
+            self.usage.stop()
         if self._thread:
             self._thread.join(timeout=5)
 
