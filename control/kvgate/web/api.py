@@ -34,6 +34,8 @@ GET      /api/v1/keys                           API keys (records, never secrets
 POST     /api/v1/keys                           ``{"tenant", "name"}`` → 201 ``{"key", "secret"}``: the
                                                secret is in this answer only
 POST     /api/v1/keys/<id>/revoke               revoked within ``gateway.auth_cache_ttl_s``
+GET      /api/v1/costs                          the cost report (kvgate.costs.report); ``?by=tenant|model|pool|
+                                               day|hour&since=24h``; 400 for another ``by`` or ``since``
 =======  =====================================  ==================================================
 """
 
@@ -258,3 +260,22 @@ def events():
         raise ValueError(f"before must be an event id such as 1700000000000-0, got {before[:40]!r}")
     return jsonify({"events": services().store.events(limit=limit, node=request.args.get("node") or None,
                                                      kind=request.args.get("kind") or None, before=before)})
+
+
+# ------------------------------------------------------------------ costs
+@bp.get("/costs")
+def costs():
+    """The cost report of :func:`kvgate.costs.report.build_report` (``by`` default ``tenant``, ``since``
+    default ``24h``); a bad ``by`` or ``since`` is 400 ``bad_request``, Redis down 503."""
+    import redis
+
+    from ..control.store import StoreError
+    from ..costs.report import build_report, check_by, parse_since
+
+    by = check_by(request.args.get("by", "tenant"))
+    since_s = parse_since(request.args.get("since", "24h"))
+    store = services().store
+    try:
+        return jsonify(build_report(store.r, by, since_s))
+    except redis.RedisError as exc:
+        raise StoreError(f"redis {store.url}: cost report: {exc}") from None
