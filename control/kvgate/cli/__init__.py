@@ -25,6 +25,7 @@ class _LazyGroup(click.Group):
         "control": ("kvgate.control.cli", "control_command"),
         "keys": ("kvgate.cli.keys", "keys_command"),
         "analyze": ("kvgate.analyze.cli", "analyze_command"),
+        "costs": ("kvgate.cli.costs", "costs_command"),
     }
 
     def list_commands(self, ctx):

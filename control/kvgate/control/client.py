@@ -127,6 +127,10 @@ class ControlClient:
     def revoke_key(self, key_id: str) -> dict[str, Any]:
         return self._call("POST", f"/api/v1/keys/{key_id}/revoke")
 
+    def costs(self, by: str = "tenant", since: str = "24h") -> dict[str, Any]:
+        """``GET /api/v1/costs``: the cost report (:mod:`kvgate.costs.report`)."""
+        return self._call("GET", "/api/v1/costs", params={"by": by, "since": since})
+
     def healthy(self) -> bool:
         try:
             return self.s.get(self.url + "/healthz", timeout=2).status_code == 200
