@@ -213,17 +213,20 @@ class UsageConsumer:
         self._group = True
 
     def read(self) -> list[tuple[str, dict[str, str]]]:
-        """One batch: own pending entries while there are any, then new ones (blocking up to
+        """One batch: own pending entries while there are any, else new ones (blocking up to
         ``block_ms``). Entries trimmed from the stream while pending come back without fields."""
         if not self._group:
             self.ensure_group()
-        start = "0" if self._pending else ">"
-        resp = self.r.xreadgroup(GROUP, self.consumer, {STREAM: start}, count=self.batch,
-                                 block=None if self._pending else self.block_ms)
-        entries = [(_s(i), {_s(k): _s(v) for k, v in (f or {}).items()}) for i, f in (resp[0][1] if resp else [])]
-        if self._pending and not entries:
+        if self._pending:
+            entries = self._xread("0", None)
+            if entries:
+                return entries
             self._pending = False
-        return entries
+        return self._xread(">", self.block_ms)
+
+    def _xread(self, start: str, block: int | None) -> list[tuple[str, dict[str, str]]]:
+        resp = self.r.xreadgroup(GROUP, self.consumer, {STREAM: start}, count=self.batch, block=block)
+        return [(_s(i), {_s(k): _s(v) for k, v in (f or {}).items()}) for i, f in (resp[0][1] if resp else [])]
 
     def apply(self, entries: list[tuple[str, dict[str, str]]]) -> int:
         """Add a batch to the rollups and acknowledge it, in one MULTI/EXEC. Returns the entries applied."""
@@ -267,14 +270,13 @@ class UsageConsumer:
             raise
 
     def drain(self, timeout: float = 30.0) -> int:
-        """Apply batches until nothing is left to read (tests, tools). Returns the entries applied."""
+        """Apply batches until a read finds nothing (tests, tools). Returns the entries applied."""
         total, deadline = 0, time.monotonic() + timeout
         while time.monotonic() < deadline:
-            pending_before = self._pending
             n = self.step()
-            total += n
-            if n == 0 and not pending_before:
+            if n == 0:
                 break
+            total += n
         return total
 
     # ----------------------------------------------------------- thread
