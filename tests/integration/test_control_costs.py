@@ -297,3 +297,12 @@ def test_costs_api_and_cli_on_a_running_stack(control_fleet) -> None:  # noqa: F
         assert bad.json()["error"]["type"] == "invalid_request_error" and bad.json()["error"]["code"] == "bad_request"
     cli_bad = fleet.kvgate("costs", "--since", "yesterday", "--control-url", fleet.control, "--token", fleet.token)
     assert cli_bad.returncode == 2 and "since must be a duration" in cli_bad.stderr
+
+
+def test_pending_entries_trimmed_from_the_stream_are_acknowledged_not_counted(r: redis.Redis,
+                                                                              redis_server: RedisServer) -> None:
+    xadd(r, [entry(i) for i in range(10)])
+    assert len(consumer(redis_server.url).read()) == 10  # read, never applied
+    r.xtrim(STREAM, maxlen=0, approximate=False)  # the gateway's MAXLEN trimmed them meanwhile
+    assert consumer(redis_server.url).drain() == 10
+    assert r.xpending(STREAM, GROUP)["pending"] == 0 and sums(r)["requests"] == 0

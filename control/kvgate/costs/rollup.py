@@ -232,6 +232,10 @@ class UsageConsumer:
         """Add a batch to the rollups and acknowledge it, in one MULTI/EXEC. Returns the entries applied."""
         if not entries:
             return 0
+        lost = sum(1 for _, f in entries if not f)
+        if lost:
+            # trimmed (MAXLEN ~ keys.LOG_MAXLEN) while pending: acknowledged, not counted
+            log.warning("usage rollups: %d log entries were trimmed from %s before they were counted", lost, STREAM)
         policy, serving = self.state()
         self.baseline.configure(policy, serving)
         for eid, f in entries:
