@@ -201,7 +201,7 @@ def test_redis_down_the_thread_retries_and_counts_once_back(tmp_path: Path, capl
     try:
         time.sleep(1.0)  # a few failed tries with back-off; the thread stays up
         assert c._thread is not None and c._thread.is_alive()
-        downs = [m for m in caplog.messages if "Redis unavailable" in m]
+        downs = [m for m in caplog.messages if "Redis failed" in m]
         assert len(downs) == 1, caplog.messages  # logged once, not once per try
         server = _start_redis_on(tmp_path, port)
         try:
@@ -306,3 +306,12 @@ def test_pending_entries_trimmed_from_the_stream_are_acknowledged_not_counted(r:
     r.xtrim(STREAM, maxlen=0, approximate=False)  # the gateway's MAXLEN trimmed them meanwhile
     assert consumer(redis_server.url).drain() == 10
     assert r.xpending(STREAM, GROUP)["pending"] == 0 and sums(r)["requests"] == 0
+
+
+def test_a_lost_group_is_made_again_after_the_last_applied_entry(r: redis.Redis, redis_server: RedisServer) -> None:
+    xadd(r, [entry(i) for i in range(20)])
+    consumer(redis_server.url).drain()
+    r.xgroup_destroy(STREAM, GROUP)  # by hand; the rollups stay
+    xadd(r, [entry(i) for i in range(20, 25)])
+    assert consumer(redis_server.url).drain() == 5  # the 5 new ones, not the 20 again
+    assert sums(r)["requests"] == 25

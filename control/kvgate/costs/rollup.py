@@ -12,7 +12,8 @@ with the integer fields of :data:`FIELDS`, and lists each hash in the ZSET ``kvg
 batch's XACK are one ``MULTI``/``EXEC``: an entry is counted exactly once. A consumer that
 dies after reading and before applying leaves its batch in the group's pending list; on
 start a consumer reads its own pending entries first (id ``0``), then new ones (``>``), so the
-batch is applied by the next start. Entries read again (a failed apply) keep their
+batch is applied by the next start. The same transaction sets ``kvgate:usage:last`` (the newest
+entry applied), where a group lost while the rollups were kept is made again. Entries read again (a failed apply) keep their
 round-robin baseline figure (:class:`.baseline.RoundRobinBaseline` is fed each entry once).
 
 Per entry (all integers; ``""`` or a missing field = unknown, as in entries logged before
@@ -51,6 +52,9 @@ GROUP = "kvgate-usage"
 CONSUMER = "kvgate-control"
 BUCKET_PREFIX = "kvgate:usage:h:"
 HOURS = "kvgate:usage:hours"
+LAST = "kvgate:usage:last"
+"""The id of the newest entry applied (set in each batch's transaction): a group lost while the
+rollups were kept (deleted by hand) is made again from there, not from 0, so nothing counts twice."""
 FIELDS: tuple[str, ...] = ("requests", "ok", "failed", "hits", "retried", "prompt", "cached", "completion",
                            "avoided_prompt", "avoided_completion", "cost", "cost_ok", "saved_cache",
                            "saved_prefix", "saved_batch", "rr_cached", "ttft_ms_sum", "ttft_n", "unpriced",
@@ -168,6 +172,11 @@ def aggregate(entries: Iterable[tuple[str, Mapping[str, str]]],
     return {k: dict(v) for k, v in out.items()}
 
 
+def _sid(v: str) -> tuple[int, int]:
+    ms, _, seq = v.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def _s(v: Any) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, (bytes, bytearray)) else str(v)
 
@@ -204,9 +213,11 @@ class UsageConsumer:
 
     # ------------------------------------------------------------ steps
     def ensure_group(self) -> None:
-        """``XGROUP CREATE kvgate:log kvgate-usage 0 MKSTREAM`` (an existing group is kept)."""
+        """``XGROUP CREATE kvgate:log kvgate-usage <start> MKSTREAM`` (an existing group is kept):
+        from ``0`` the first time, so entries logged before count; from :data:`LAST` when the
+        rollups outlived their group."""
         try:
-            self.r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+            self.r.xgroup_create(STREAM, GROUP, id=self.r.get(LAST) or "0", mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -253,6 +264,7 @@ class UsageConsumer:
         if buckets:
             pipe.expire(HOURS, ttl)
         pipe.xack(STREAM, GROUP, *[i for i, _ in entries])
+        pipe.set(LAST, max(entries, key=lambda e: _sid(e[0]))[0], ex=ttl)
         pipe.execute()
         for i, _ in entries:
             self._rr.pop(i, None)
@@ -305,7 +317,7 @@ class UsageConsumer:
                 delay = 0.0
             except redis.RedisError as exc:
                 if not delay:
-                    log.warning("usage rollups: Redis unavailable (%s); retrying with back-off", exc)
+                    log.warning("usage rollups: Redis failed (%s); retrying with back-off", exc)
                 delay = min(BACKOFF_S[1], max(BACKOFF_S[0], delay * 2))
                 self.stopping.wait(delay)
             except Exception:  # a bad entry must not end the thread; the batch stays pending
