@@ -315,3 +315,21 @@ def test_a_lost_group_is_made_again_after_the_last_applied_entry(r: redis.Redis,
     xadd(r, [entry(i) for i in range(20, 25)])
     assert consumer(redis_server.url).drain() == 5  # the 5 new ones, not the 20 again
     assert sums(r)["requests"] == 25
+
+
+def test_two_consumers_of_one_name_at_once_count_each_entry_once(r: redis.Redis, redis_server: RedisServer) -> None:
+    # an old control plane still stopping while the new one starts: both read the same pending batch
+    xadd(r, [entry(i) for i in range(400)])
+    assert len(consumer(redis_server.url).read()) == 50  # left pending by a killed one
+    a, b = consumer(redis_server.url), consumer(redis_server.url)
+    done: list[int] = []
+    threads = [threading.Thread(target=lambda c=c: done.append(c.drain())) for c in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sum(done) >= 400
+    got = sums(r)
+    want = expected([entry(i) for i in range(400)])
+    assert {k: got[k] for k in want} == want
+    assert r.xpending(STREAM, GROUP)["pending"] == 0

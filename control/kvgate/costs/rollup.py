@@ -13,7 +13,9 @@ batch's XACK are one ``MULTI``/``EXEC``: an entry is counted exactly once. A con
 dies after reading and before applying leaves its batch in the group's pending list; on
 start a consumer reads its own pending entries first (id ``0``), then new ones (``>``), so the
 batch is applied by the next start. The same transaction sets ``kvgate:usage:last`` (the newest
-entry applied), where a group lost while the rollups were kept is made again. Entries read again (a failed apply) keep their
+entry applied), where a group lost while the rollups were kept is made again; the consumer
+WATCHes it from its read to its EXEC, so two consumers of one name at once (an old control plane
+still stopping while the new one starts) cannot both apply the same pending batch. Entries read again (a failed apply) keep their
 round-robin baseline figure (:class:`.baseline.RoundRobinBaseline` is fed each entry once).
 
 Per entry (all integers; ``""`` or a missing field = unknown, as in entries logged before
@@ -239,9 +241,15 @@ class UsageConsumer:
         resp = self.r.xreadgroup(GROUP, self.consumer, {STREAM: start}, count=self.batch, block=block)
         return [(_s(i), {_s(k): _s(v) for k, v in (f or {}).items()}) for i, f in (resp[0][1] if resp else [])]
 
-    def apply(self, entries: list[tuple[str, dict[str, str]]]) -> int:
-        """Add a batch to the rollups and acknowledge it, in one MULTI/EXEC. Returns the entries applied."""
+    def apply(self, entries: list[tuple[str, dict[str, str]]], pipe: Any = None) -> int:
+        """Add a batch to the rollups and acknowledge it, in one MULTI/EXEC. Returns the entries applied.
+
+        ``pipe``: a transaction pipeline that WATCHed :data:`LAST` before the batch was read (see
+        :meth:`step`); the EXEC then fails with redis.WatchError when another consumer applied a
+        batch meanwhile (two control planes of one name at once), and nothing is written."""
         if not entries:
+            if pipe is not None:
+                pipe.reset()
             return 0
         lost = sum(1 for _, f in entries if not f)
         if lost:
@@ -255,7 +263,10 @@ class UsageConsumer:
         days = policy.usage.retention_days if policy is not None else 35
         ttl = days * 86400
         buckets = aggregate([(i, f) for i, f in entries if f], self._rr)
-        pipe = self.r.pipeline(transaction=True)
+        if pipe is None:
+            pipe = self.r.pipeline(transaction=True)
+        else:
+            pipe.multi()
         for key, counts in buckets.items():
             for field_name, v in counts.items():
                 pipe.hincrby(key, field_name, v)
@@ -277,13 +288,26 @@ class UsageConsumer:
         return self.baseline.serve(f.get("pool", ""), f.get("blocks", ""), _int(f.get("prompt")))
 
     def step(self) -> int:
-        """Read and apply one batch. Returns the entries applied. Raises redis.RedisError."""
-        try:
-            return self.apply(self.read())
-        except redis.RedisError:
-            self._pending = True  # whatever was read and not acknowledged is read again
-            self._group = False  # and the group made again if Redis lost it (flushed, restarted empty)
-            raise
+        """Read and apply one batch. Returns the entries applied. Raises redis.RedisError.
+
+        :data:`LAST` is WATCHed from before the read to the EXEC: if another consumer of the same
+        name (an old control plane still stopping while the new one starts) applied a batch in
+        between, possibly the same pending entries, the EXEC is refused and the batch is read
+        again from the pending list, less what the other one acknowledged."""
+        for _ in range(10):
+            pipe = self.r.pipeline(transaction=True)
+            try:
+                pipe.watch(LAST)
+                return self.apply(self.read(), pipe)
+            except redis.WatchError:
+                self._pending = True
+                pipe.reset()
+            except redis.RedisError:
+                self._pending = True  # whatever was read and not acknowledged is read again
+                self._group = False  # and the group made again if Redis lost it (flushed, restarted empty)
+                pipe.reset()
+                raise
+        return 0
 
     def drain(self, timeout: float = 30.0) -> int:
         """Apply batches until a read finds nothing (tests, tools). Returns the entries applied."""
