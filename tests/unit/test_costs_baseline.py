@@ -57,3 +57,16 @@ def test_one_node_and_lru_eviction() -> None:
     # C+D was freed tail first (D older than C), so A took D's place and C is still cached
     assert base.serve("p", C, None) == 512
     assert base.serve("p", D, None) == 0
+
+
+def test_the_serving_node_count_follows_the_fleet() -> None:
+    base = RoundRobinBaseline()
+    p = policy(nodes=3)
+    base.configure(p, {"p": 1})
+    assert base.serve("p", A, 1000) == 0 and base.serve("p", A, 1000) == 512  # one node: the second is a hit
+    base.configure(p, {"p": 2})  # a node back: a cold cache joins the rotation
+    assert [base.serve("p", A, 1000) for _ in range(4)] == [512, 0, 512, 512]
+    base.configure(p, None)  # no state: every node the policy lists
+    assert len(base.pools["p"].caches) == 3
+    base.configure(policy(extra="usage: {retention_days: 3}"), {"p": 3})  # same capacity: kept warm
+    assert len(base.pools["p"].caches) == 3 and base.pools["p"].caches[0].lookup([A.encode()]) == 1
