@@ -26,6 +26,7 @@ class _LazyGroup(click.Group):
         "keys": ("kvgate.cli.keys", "keys_command"),
         "analyze": ("kvgate.analyze.cli", "analyze_command"),
         "costs": ("kvgate.cli.costs", "costs_command"),
+        "log": ("kvgate.analyze.logexport", "log_group"),
     }
 
     def list_commands(self, ctx):
