@@ -24,6 +24,14 @@ number of its prompt tokens the chosen engine already held. The ratio is token-w
   the engines' modelled time). Not modelled: engine queueing and batching (which lengthen
   the time in flight), the queue signal (``saturated_queue``), the client's concurrency cap.
 * **pooled ceiling**: one cache of N × ``num_gpu_blocks`` blocks (``kvgate.bench.ceiling``).
+
+On the **gateway's log** (``Request.source == "log"``) there is no text: the blocks are the
+log's chained hashes of ``chunk_chars``-byte chunks (``block_tokens`` tokens each), the caches
+hold ``num_gpu_blocks × block_size ÷ block_tokens`` of them, chash routes on the entry's ring
+``point``, chash_bounded's load is the prompt tokens, and a response-cache HIT is not modelled
+(the engines never saw it). Prompt tokens past the logged blocks (the partial last chunk,
+blocks beyond ``usage.log_blocks``) count as queried and never hit: the prediction is then a
+lower bound.
 """
 
 from __future__ import annotations
@@ -130,23 +138,40 @@ def predict(reqs: Sequence[Request], cfg: CacheConfig,
     ring = Ring(cfg.nodes)
     weight = dict(cfg.nodes)
     W = sum(weight.values())
-    caches = {b: {i: PrefixCache(cfg.num_gpu_blocks, cfg.block_size) for i in ids}
+    log = bool(reqs) and reqs[0].source == "log"
+    bs, nblocks = cfg.block_size, cfg.num_gpu_blocks
+    if log:
+        bs = max(1, reqs[0].block_tokens)
+        nblocks = max(1, cfg.num_gpu_blocks * cfg.block_size // bs)
+    caches = {b: {i: PrefixCache(nblocks, bs) for i in ids}
               for b in ("round_robin", "chash", "chash_bounded")}
-    pooled = PrefixCache(cfg.num_gpu_blocks * n, cfg.block_size)
+    pooled = PrefixCache(nblocks * n, bs)
     out = {b: Prediction(b, prefill={i: 0 for i in ids}) for b in BALANCERS}
     out["pooled_ceiling"].prefill = {}
     out["chash_bounded"].approximate = True
     load = {i: 0 for i in ids}
     total = 0
     ends: list[tuple[float, int, str, int]] = []
-    for seq, r in enumerate(reqs):
-        messages = r.chat()
-        tokens = tokenize_chat(messages)
-        nt = len(tokens)
-        hashes = PrefixCache.block_hashes(tokens, cfg.block_size)
-        key, _kind, shared = route_key(messages, affinity=cfg.affinity, prefix_chars=cfg.prefix_chars,
-                                       session=r.session, user=r.user, fallback=cfg.fallback_route_key)
-        point = key_point(key) if key else None
+    seq = -1
+    for r in reqs:
+        if log:
+            if r.cache_hit:
+                if on_request:
+                    on_request()
+                continue
+            seq += 1
+            nt = max(1, r.input_tokens)
+            hashes = [bytes.fromhex(b) for b in r.blocks]
+            point, shared = r.point, False
+        else:
+            seq += 1
+            messages = r.chat()
+            tokens = tokenize_chat(messages)
+            nt = len(tokens)
+            hashes = PrefixCache.block_hashes(tokens, cfg.block_size)
+            key, _kind, shared = route_key(messages, affinity=cfg.affinity, prefix_chars=cfg.prefix_chars,
+                                           session=r.session, user=r.user, fallback=cfg.fallback_route_key)
+            point = key_point(key) if key else None
         # round robin
         node = ids[seq % n]
         h = _serve(caches["round_robin"][node], hashes, nt)
@@ -160,7 +185,7 @@ def predict(reqs: Sequence[Request], cfg: CacheConfig,
             _, _, done_node, cost = heapq.heappop(ends)
             load[done_node] -= cost
             total -= cost
-        cost = -(-_body_bytes(cfg, r, messages) // BYTES_PER_TOKEN)
+        cost = nt if log else -(-_body_bytes(cfg, r, messages) // BYTES_PER_TOKEN)
         c = 1.0 if shared else cfg.bound_factor
         if point is None:
             node = ids[seq % n]

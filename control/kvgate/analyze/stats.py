@@ -115,7 +115,7 @@ def trace_stats(reqs: Sequence[Request]) -> TraceStats:
     for r in reqs:
         for k, b in enumerate(r.blocks):
             through[b] += 1
-            if k + 1 < len(r.blocks) and r.block_len(k + 1) == BLOCK_TOKENS:
+            if k + 1 < len(r.blocks) and r.block_len(k + 1) == r.block_tokens:
                 full_children[b].add(r.blocks[k + 1])
     # common = a chain from the start of blocks with >= COMMON_FANOUT full continuations;
     # the common prefix of a request ends at its last common block
@@ -186,7 +186,7 @@ def trace_stats(reqs: Sequence[Request]) -> TraceStats:
             continue
         r, k = chain_of[b]
         hot.append({"prefix": prefix_digest(r.blocks[:k + 1]), "requests": c,
-                    "tokens": BLOCK_TOKENS * k + r.block_len(k), "common": b in common})
+                    "tokens": r.block_tokens * k + r.block_len(k), "common": b in common})
     span = (reqs[-1].timestamp_s - reqs[0].timestamp_s) if n else 0.0
     depth = [{"depth": k, "tokens_from": BLOCK_TOKENS * k, "requests": depth_reach[k],
               "seen_share": depth_seen[k] / depth_reach[k], "shared_share": depth_shared[k] / depth_reach[k]}
