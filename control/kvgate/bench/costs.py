@@ -163,7 +163,14 @@ def costs_command(ctx: click.Context, trace_path: Path, limit: int, repeats: int
             resp = requests.post(gateway + "/v1/chat/completions", json=body, timeout=60)
             hits += resp.status_code == 200 and resp.headers.get("X-Kvgate-Cache") == "HIT"
         wait_engines_idle(nodes)
-        _wait(lambda: consumer_caught_up(r), 120, "the usage consumer to acknowledge every log entry")
+        # every request sent is in the rollups: the gateways flush their log every 0.5 s, then the
+        # consumer must read and acknowledge it (a timeout here is a lost entry: reported below)
+        sent_total = len(trace) + 1 + repeats
+        try:
+            _wait(lambda: consumer_caught_up(r) and rollup_sums(r)["requests"] - roll0["requests"] >= sent_total,
+                  60, "the usage consumer to count every request sent")
+        except ReplayError as exc:
+            console.print(f"[red]{exc}[/]")
         eng1, roll1 = engine_sums(nodes), rollup_sums(r)
     except (ReplayError, requests.RequestException, redis.RedisError) as exc:
         click.echo(f"error: {exc}", err=True)
@@ -174,6 +181,7 @@ def costs_command(ctx: click.Context, trace_path: Path, limit: int, repeats: int
     avoided_price = (usage["prompt_tokens"] * prices.input + usage["completion_tokens"] * prices.output) \
         if prices else None
     rows = [
+        ("requests", d_roll["requests"], sent_total, "requests sent"),
         ("Σ prompt tokens", d_roll["prompt"], d_eng[PROMPT], "engines' vllm:prompt_tokens_total"),
         ("Σ cached prompt tokens", d_roll["cached"], d_eng[HITS], "engines' vllm:prefix_cache_hits_total"),
         ("cache hits", d_roll["hits"], repeats, "repeats sent"),
