@@ -152,8 +152,9 @@ def costs_command(ctx: click.Context, trace_path: Path, limit: int, repeats: int
             thread.join(timeout=120)
         failed = sum(not x.ok for x in results)
         # the repeated cacheable request: computed once, then answered by the response cache
+        # (a question of this run only: an answer cached by an earlier run would make the first a hit)
         body = {"model": pool.models[0], "messages": [{"role": "user", "content": "kvgate bench costs: the same "
-                                                       f"question, asked {repeats + 1} times"}],
+                                                       f"question, asked {repeats + 1} times, run {time.time():.6f}"}],
                 "max_tokens": 32, "temperature": 0}
         first = requests.post(gateway + "/v1/chat/completions", json=body, timeout=60)
         first.raise_for_status()
