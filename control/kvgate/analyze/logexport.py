@@ -68,7 +68,11 @@ def export_command(url: str, since: str | None, out: str | None) -> None:
         since_s = parse_since(since)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-    fh = open(out, "w", encoding="utf-8") if out else sys.stdout
+    try:
+        fh = open(out, "w", encoding="utf-8") if out else sys.stdout
+    except OSError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
     n = 0
     try:
         for entry in read_log(url, since_s):
