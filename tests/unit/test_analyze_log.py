@@ -44,8 +44,10 @@ def _entry(i: int, blocks: str, point: int, cache: str = "MISS", batch: str = ""
 #   r3 CD  rr n2 miss            chash home(P2) miss
 #   r4 HIT (response cache: saves FULL, not modelled)
 #   r5 CD  rr n1 miss (batch)    chash hit
+#   r6 429 refused before a node: not modelled, not in the full price
 LOG = [_entry(0, A + B, 11), _entry(1, A + B, 11), _entry(2, A + B, 11), _entry(3, C + D, 22),
-       _entry(4, A + B, 11, cache="HIT"), _entry(5, C + D, 22, batch="b1")]
+       dict(_entry(4, A + B, 11, cache="HIT"), node="cache"), _entry(5, C + D, 22, batch="b1"),
+       dict(_entry(6, C + D, 22), node="", status="429", prompt="", completion="")]
 
 
 def _write(path: Path, rows: list[dict]) -> Path:
@@ -54,7 +56,7 @@ def _write(path: Path, rows: list[dict]) -> Path:
 
 
 def _check_known_answers(doc: dict) -> None:
-    assert doc["source"] == "log" and doc["requests"] == 6
+    assert doc["source"] == "log" and doc["requests"] == 7
     p = doc["predicted"]
     queries = 5 * PROMPT
     assert p["round_robin"]["hits"] == 2 * BT and p["round_robin"]["queries"] == queries
@@ -82,7 +84,8 @@ def test_an_exported_log_with_known_answers(tmp_path: Path) -> None:
 
 def test_the_log_is_recognised_by_content_and_a_bad_chain_is_an_error(tmp_path: Path) -> None:
     reqs = load_workload(_write(tmp_path / "log.jsonl", LOG), log_block_tokens=BT)
-    assert [r.source for r in reqs] == ["log"] * 6
+    assert [r.source for r in reqs] == ["log"] * 7
+    assert [r.reached_engine for r in reqs] == [True, True, True, True, False, True, False]
     assert reqs[0].blocks == (A, B) and reqs[0].input_tokens == PROMPT and reqs[0].timestamp_s == 0
     assert reqs[4].cache_hit and reqs[5].batch and reqs[0].point == 11
     bad = dict(LOG[0], blocks="abc")
@@ -160,7 +163,7 @@ def test_the_live_stream_and_its_export(redis_port: int, tmp_path: Path, monkeyp
     res = CliRunner().invoke(log_group, ["export", "--redis", url, "--since", "1h", "--out", str(out)])
     assert res.exit_code == 0, res.output
     lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert len(lines) == 6 and all(x["id"] for x in lines) and lines[3]["blocks"] == C + D
+    assert len(lines) == 7 and all(x["id"] for x in lines) and lines[3]["blocks"] == C + D
     _check_known_answers(analyze(out, nodes=2, policy=POLICY))
     res = CliRunner().invoke(analyze_command, [url, "--nodes", "2", "--policy", POLICY, "--json"])
     assert res.exit_code == 0, res.output

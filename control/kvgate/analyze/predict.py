@@ -29,7 +29,8 @@ On the **gateway's log** (``Request.source == "log"``) there is no text: the blo
 log's chained hashes of ``chunk_chars``-byte chunks (``block_tokens`` tokens each), the caches
 hold ``num_gpu_blocks × block_size ÷ block_tokens`` of them, chash routes on the entry's ring
 ``point``, chash_bounded's load is the prompt tokens, and a response-cache HIT is not modelled
-(the engines never saw it). Prompt tokens past the logged blocks (the partial last chunk,
+(the engines never saw it), nor an entry without a node (refused or failed before one; the
+rollups' round-robin baseline skips the same entries, kvgate.costs.baseline). Prompt tokens past the logged blocks (the partial last chunk,
 blocks beyond ``usage.log_blocks``) count as queried and never hit: the prediction is then a
 lower bound.
 """
@@ -69,7 +70,9 @@ class CacheConfig:
     @classmethod
     def from_policy(cls, policy, pool_name: str | None = None, nodes: int | None = None) -> "CacheConfig":
         """The policy's pool (the first by default); ``nodes`` overrides its node count (ids
-        ``n1 .. nN`` at weight 1 when it differs from the pool's)."""
+        ``n1 .. nN`` at weight 1 when it differs from the pool's). Cache size per engine: the
+        simulator's ``num_gpu_blocks`` when every node is simulated, else the pool's
+        ``prefix_index.kv_capacity_tokens`` (in ``block_size`` blocks)."""
         pool = next((p for p in policy.pools if p.name == pool_name), None) if pool_name else policy.pools[0]
         if pool is None:
             raise KeyError(pool_name)
@@ -77,7 +80,11 @@ class CacheConfig:
         if nodes is not None and nodes != len(node_list):
             node_list = [(f"n{i + 1}", WEIGHT_SCALE) for i in range(nodes)]
         sim = policy.simulator
-        return cls(nodes=node_list, num_gpu_blocks=sim.num_gpu_blocks, block_size=sim.block_size,
+        blocks = sim.num_gpu_blocks
+        if pool.nodes and not all(n.simulate for n in pool.nodes):
+            # real engines: the pool's declared KV capacity (as kvgate.costs.baseline)
+            blocks = max(1, pool.prefix_index.kv_capacity_tokens // sim.block_size)
+        return cls(nodes=node_list, num_gpu_blocks=blocks, block_size=sim.block_size,
                    affinity=list(pool.affinity), prefix_chars=pool.prefix_chars,
                    fallback_route_key=policy.gateway.fallback_route_key,
                    bound_factor=float(getattr(pool, "bound_factor", None) or 1.25),
@@ -155,7 +162,7 @@ def predict(reqs: Sequence[Request], cfg: CacheConfig,
     seq = -1
     for r in reqs:
         if log:
-            if r.cache_hit:
+            if not r.reached_engine:
                 if on_request:
                     on_request()
                 continue

@@ -3,7 +3,9 @@
 Prices: the pool's ``prices`` (:meth:`kvgate.policy.pricing.PricesConfig.nano_usd_per_token`:
 input, cached_input, output in n$ per token). Each lever against its baseline (docs/costs.md):
 
-* ``full_price``: every request at the full price, Σ prompt × input + completion × output.
+* ``full_price``: every request at the full price, Σ prompt × input + completion × output
+  (on the log: the entries an engine or the response cache answered; one refused before a
+  node cost nothing).
 * ``cache`` (response cache): each exact repeat saves its full price. Identifiable on chat
   requests (equal bodies: the later ones are repeats) and on the gateway's log (its ``HIT``
   entries, measured); a Mooncake trace does not say which requests are exact repeats
@@ -31,7 +33,8 @@ def predicted_savings(reqs: Sequence[Request], pred: dict[str, Prediction], pric
     if prices is None:
         return {"priced": False, "note": "the policy's pool has no prices (pools[].prices)"}
     p = prices.nano_usd_per_token()
-    full = sum(r.input_tokens * p.input + r.output_tokens * p.output for r in reqs)
+    full = sum(r.input_tokens * p.input + r.output_tokens * p.output for r in reqs
+               if r.reached_engine or r.cache_hit)
     source = reqs[0].source if reqs else "trace"
     cache_note = ""
     if source == "log":

@@ -53,6 +53,7 @@ class Request:
     block_tokens: int = BLOCK_TOKENS
     identity: str | None = None      # equal = an exact repeat (chat requests: the body); None unknown
     cache_hit: bool = False          # log: answered by the response cache
+    reached_engine: bool = True      # log: false for a HIT and an entry without a node (refused, failed early)
     batch: bool = False              # log: a Batch API request
     point: int | None = None         # log: the route key's ring point (crc32)
     _trace: TraceRequest | None = field(default=None, repr=False)
@@ -143,6 +144,8 @@ def _record(obj: dict, index: int, log_block_tokens: int = 256) -> Request:
                        _int(obj.get("completion")) or 0, blocks, session=f"{tenant}/{key}" if key else None,
                        user=tenant or None, source="log", block_tokens=log_block_tokens,
                        cache_hit=str(obj.get("cache") or "").upper() == "HIT", batch=bool(obj.get("batch")),
+                       reached_engine=str(obj.get("cache") or "").upper() != "HIT"
+                       and str(obj.get("node") or "") not in ("", "cache"),
                        point=_int(obj.get("point")))
     if "hash_ids" in obj:
         tr = TraceRequest(index=index, timestamp_s=float(obj["timestamp"]) / 1000.0,
