@@ -247,3 +247,96 @@ def test_drain_and_undrain_without_javascript(cf: Fleet, traffic: Traffic, brows
     cf.wait_state("n3", "active", timeout=60)
     context.close()
     assert traffic.failed == 0
+
+
+PRICES = ("    prices: {input_usd_per_1m_tokens: 0.20, cached_input_usd_per_1m_tokens: 0.02, "
+          "output_usd_per_1m_tokens: 0.60}")
+
+
+def test_costs_page_in_chromium_equals_kvgate_costs_json(cf: Fleet, traffic: Traffic, browser, shots: Path):
+    """The Costs page (issue 13 item 5): with prices in the policy and known traffic, every figure
+    of its table is the one ``kvgate costs --json`` prints, its quadrant view counts the last hour's
+    priced log entries, and both charts are drawn. The screenshot goes to admin-costs.png."""
+    import json
+    import time
+
+    import redis
+    from playwright.sync_api import expect
+
+    from ctlfixtures import wait_until
+    from kvgate import keys
+    from kvgate.costs.rollup import GROUP
+    from kvgate.web.admin.costs import fmt_usd
+
+    traffic.stop.set()  # the figures must hold still between the page and the CLI
+    traffic.join(timeout=30)
+    running = cf.api("GET", "/api/v1/policy").json()["yaml"]
+    priced = cf.render(pool_extra=PRICES)
+    assert cf.api("PUT", "/api/v1/policy", data=priced).status_code == 200
+    try:
+        for tenant_turn in range(24):  # a spread of prompt lengths and completions: four non-empty quadrants
+            r = requests.post(cf.gateway + "/v1/chat/completions", timeout=30,
+                              headers={"X-Session-Id": f"cost-{tenant_turn % 6}"},
+                              json={"model": MODEL, "max_tokens": 2 + 7 * (tenant_turn % 4),
+                                    "messages": [{"role": "system", "content": SYSTEM[: 80 * (1 + tenant_turn % 5)]},
+                                                 {"role": "user", "content": f"question {tenant_turn}"}]})
+            assert r.status_code == 200, r.text
+        rr = redis.Redis(port=cf.redis_port, decode_responses=True)
+
+        def caught_up() -> bool:
+            info = {g["name"]: g for g in rr.xinfo_groups(keys.LOG_STREAM)}.get(GROUP)
+            return bool(info) and info["pending"] == 0 and \
+                info["last-delivered-id"] == rr.xinfo_stream(keys.LOG_STREAM)["last-generated-id"]
+
+        # caught up and still: no log entry written by a late log-phase timer or the control plane's
+        # own requests after the last one (the page and the CLI must read the same rollups)
+        still = {"n": -1, "since": 0.0}
+
+        def settled() -> bool:
+            n, now = rr.xlen(keys.LOG_STREAM), time.monotonic()
+            if n != still["n"] or not caught_up():
+                still.update(n=n, since=now)
+                return False
+            return now - still["since"] >= 3
+
+        wait_until(settled, "the control plane's usage consumer to acknowledge every log entry", 60)
+        out = cf.kvgate("costs", "--json", "--since", "24h", "--control-url", cf.control, "--token", cf.token)
+        assert out.returncode == 0, out.stderr
+        cli = json.loads(out.stdout)
+        assert cli["total"]["cost_usd"] > 0, cli["total"]
+
+        context = browser.new_context(viewport={"width": 1440, "height": 1000})
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        sign_in(page, cf, "/admin/costs")
+        expect(page.locator("h1")).to_have_text("Costs")
+        rows = page.locator("#costs tbody tr")
+        expect(rows).to_have_count(len(cli["rows"]) + 1)
+        for want in cli["rows"] + [cli["total"]]:
+            row = page.locator(f'#costs tr[data-tenant="{want["key"]}"]')
+            for f in ("requests", "ok", "failed", "prompt", "cached", "completion"):
+                assert int(row.locator(f'[data-field="{f}"]').inner_text()) == want[f], (want["key"], f)
+            assert float(row.locator('[data-field="cost_usd"]').get_attribute("data-usd")) == want["cost_usd"]
+            assert row.locator('[data-field="cost_usd"]').inner_text() == fmt_usd(want["cost_usd"])
+            for lever in ("cache", "prefix", "affinity", "batch"):
+                cell = row.locator(f'[data-field="saved_{lever}"]')
+                assert float(cell.get_attribute("data-usd")) == want["saved_usd"][lever], (want["key"], lever)
+            per_ok = row.locator('[data-field="cost_per_ok_usd"]')
+            assert per_ok.inner_text() == fmt_usd(want["cost_per_ok_usd"]), want["key"]
+            assert float(per_ok.get_attribute("data-usd")) == want["cost_per_ok_usd"]
+        # the quadrant view: every priced entry of the last hour, shares summing to 1
+        since_ms = int((time.time() - 3600) * 1000)
+        priced_n = sum(1 for _i, e in rr.xrange(keys.LOG_STREAM, min=str(since_ms))
+                       if e.get("prompt", "").isdigit() and e.get("cost", "").isdigit())
+        assert int(page.locator("#quadrant-n").inner_text()) == priced_n > 0
+        shares = [float(page.locator(f'[data-quadrant="{q}"]').get_attribute("data-share"))
+                  for q in ("short_cheap", "short_expensive", "long_cheap", "long_expensive")]
+        assert abs(sum(shares) - 1) < 1e-9 and shares[3] > 0, shares
+        page.wait_for_function("() => document.body.dataset.chartsReady === '1'", timeout=15000)
+        assert page.locator("#chart-cost canvas").count() == 1 and page.locator("#chart-quadrants canvas").count() == 1
+        page.screenshot(path=str(shots / "admin-costs.png"), full_page=True)
+        assert not errors, errors
+        context.close()
+    finally:
+        assert cf.api("PUT", "/api/v1/policy", data=running).status_code == 200

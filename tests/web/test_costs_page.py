@@ -16,7 +16,7 @@ import redis
 from kvgate import keys
 from kvgate.costs.report import build_report
 from kvgate.costs.rollup import HOURS
-from kvgate.web.admin.costs import quadrants
+from kvgate.web.admin.costs import fmt_usd, quadrants
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
@@ -59,6 +59,11 @@ def test_quadrants_split_at_the_medians():
     assert quadrants([])["shares"] is None
 
 
+def test_dollars_on_the_page():
+    assert [fmt_usd(v) for v in (None, 0.0, 1234.5, 0.25, 0.003 / 9, 7.79e-6)] == \
+        ["-", "$0.00", "$1,234.50", "$0.2500", "$0.000333", "$0.00000779"]
+
+
 def test_costs_page_shows_the_report(admin, r):
     hour = int(time.time()) // 3600 * 3600
     bucket(r, hour - 3600, "team-a", requests=10, ok=9, failed=1, prompt=5000, cached=2000, completion=700,
@@ -75,11 +80,11 @@ def test_costs_page_shows_the_report(admin, r):
     assert data["report"]["rows"] == rep["rows"] and data["report"]["total"] == rep["total"]
     a = next(x for x in rep["rows"] if x["key"] == "team-a")
     assert a["cost_usd"] == 0.003 and a["saved_usd"]["affinity"] == 0.00005
-    assert f"${a['cost_per_ok_usd']:.6f}" in html      # 0.003 / 9 successful
-    assert "$0.000500" in html                          # team-b: 0.001 / 2 (failed ones paid by the ok ones)
+    assert '>$0.000333</td>' in html                    # team-a: 0.003 / 9 successful
+    assert '>$0.000500</td>' in html                    # team-b: 0.001 / 2 (failed ones paid by the ok ones)
     assert data["quadrants"]["n"] == 4 and data["unknown"] == 1
     assert data["quadrants"]["shares"]["long_expensive"] == 0.5
-    assert 'data-quadrant="long_expensive"><strong>50.0%' in html
+    assert 'data-share="0.5"><strong>50.0%</strong> expensive and long' in html
 
 
 def test_bad_since_is_400(admin, r):

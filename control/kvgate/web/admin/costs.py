@@ -17,6 +17,7 @@ What it shows, all from :func:`kvgate.costs.report.build_report` (the object ``k
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -38,6 +39,19 @@ def report(r: Any, since_s: int) -> dict[str, Any]:
     :mod:`kvgate.costs.report`). Raises redis.RedisError."""
     from ...costs.report import build_report
     return build_report(r, "tenant", since_s)
+
+
+def fmt_usd(v: float | None) -> str:
+    """Dollars for the page: ``-`` for None, 2 decimals from $1, else 3 significant digits
+    (``$0.00000779``: one request's cost is often a fraction of a cent)."""
+    if v is None:
+        return "-"
+    if v == 0 or abs(v) >= 1:
+        return f"${v:,.2f}"
+    if abs(v) >= 0.01:
+        return f"${v:.4f}"
+    digits = 2 - int(math.floor(math.log10(abs(v))))
+    return f"${v:.{digits}f}"
 
 
 def _s(v: Any) -> str:
@@ -115,7 +129,7 @@ def costs():
         return refused
     if wants_json():
         return jsonify(data)
-    return render_template("admin/costs.html", page="costs", since=since, **data)
+    return render_template("admin/costs.html", page="costs", since=since, usd=fmt_usd, **data)
 
 
 @bp.get("/costs.json")

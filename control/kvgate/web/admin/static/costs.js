@@ -12,25 +12,29 @@
   function width(el) { return Math.max(300, el.clientWidth || 600); }
   function usd(v) { return v == null ? "—" : "$" + v.toFixed(6); }
 
-  function stacked(el, series) {
-    var keys = {};
+  function stacked(el, rep) {
+    var series = rep.series, keys = {};
     series.forEach(function (h) { Object.keys(h.by).forEach(function (k) { keys[k] = 1; }); });
     keys = Object.keys(keys).sort();
-    var xs = series.map(function (h) { return h.hour; }), data = [xs], run = xs.map(function () { return 0; });
-    // stacked: each tenant's line is the running sum, filled down to the previous one
+    // one bar per hour (the rollups' bucket), at the hour's middle; stacked: each tenant's bar is
+    // the running sum, drawn from the tallest down so every smaller one stays visible
+    var xs = series.map(function (h) { return h.hour + 1800; }), sums = [], run = xs.map(function () { return 0; });
     keys.forEach(function (k) {
       run = run.map(function (v, i) { return v + (series[i].by[k] || 0); });
-      data.push(run.slice());
+      sums.push(run.slice());
     });
-    var s = [{}].concat(keys.map(function (k, i) {
-      return { label: k, stroke: COLORS[i % COLORS.length], fill: COLORS[i % COLORS.length] + "55", width: 1.5,
-               value: function (u, v) { return usd(v); } };
+    var bars = window.uPlot.paths && window.uPlot.paths.bars ? window.uPlot.paths.bars({ size: [0.8, 60] }) : undefined;
+    var order = keys.map(function (k, i) { return i; }).reverse();
+    var s = [{}].concat(order.map(function (i) {
+      var c = COLORS[i % COLORS.length];
+      return { label: keys[i], stroke: c, fill: c + "cc", width: 1, paths: bars, points: { show: !bars },
+               value: function (u, v, si, di) { return di == null ? "—" : usd(series[di].by[keys[i]] || 0); } };
     }));
-    var bands = keys.slice(1).map(function (k, i) { return { series: [i + 2, i + 1] }; });
-    new window.uPlot({ width: width(el), height: 220, series: s, bands: bands,
-      scales: { x: { time: true } },
-      axes: [{}, { size: 70, values: function (u, v) { return v.map(function (x) { return "$" + x.toPrecision(3); }); } }]
-    }, data, el);
+    new window.uPlot({ width: width(el), height: 220, series: s,
+      scales: { x: { time: true, range: [rep.since, Math.ceil(rep.until / 3600) * 3600] },
+                y: { range: function (u, min, max) { return [0, max > 0 ? max * 1.1 : 1e-6]; } } },
+      axes: [{}, { size: 80, values: function (u, v) { return v.map(function (x) { return "$" + x.toPrecision(2); }); } }]
+    }, [xs].concat(order.map(function (i) { return sums[i]; })), el);
   }
 
   function scatter(el, q) {
@@ -46,8 +50,9 @@
                  value: function (u, v) { return usd(v); } },
                { label: "expensive and long", stroke: "#dc3912", paths: none,
                  points: { show: true, size: 6, fill: "#dc3912" }, value: function (u, v) { return usd(v); } }],
-      scales: { x: { time: false } },
-      axes: [{ label: "input tokens" }, { size: 80, values: function (u, v) { return v.map(function (x) { return "$" + x.toPrecision(2); }); } }],
+      scales: { x: { time: false, range: function (u, min, max) { return [0, max * 1.05]; } },
+               y: { range: function (u, min, max) { return [0, max * 1.1]; } } },
+      axes: [{ label: "input tokens" }, { size: 96, values: function (u, v) { return v.map(function (x) { return "$" + x.toPrecision(2); }); } }],
       hooks: { draw: [function (u) {  // the median lines
         var c = u.ctx, x = u.valToPos(mt, "x", true), y = u.valToPos(mc, "y", true);
         c.save(); c.strokeStyle = "#888"; c.setLineDash([4, 4]); c.beginPath();
@@ -61,7 +66,7 @@
     .then(function (resp) { if (!resp.ok) throw new Error("HTTP " + resp.status); return resp.json(); })
     .then(function (data) {
       var c = document.getElementById("chart-cost"), s = document.getElementById("chart-quadrants");
-      if (c && data.report.series.length) stacked(c, data.report.series);
+      if (c && data.report.series.length) stacked(c, data.report);
       else if (c && note) note.textContent = "No cost in this interval.";
       if (s && data.quadrants.n) scatter(s, data.quadrants);
       document.body.dataset.chartsReady = "1";
