@@ -89,6 +89,19 @@ def test_costs_page_shows_the_report(admin, r):
 
 def test_bad_since_is_400(admin, r):
     assert admin.get("/admin/costs?since=forever").status_code == 400
+    bad = admin.get("/admin/costs.json?since=forever")
+    assert bad.status_code == 400 and bad.get_json()["error"]["code"] == "bad_request"
+
+
+def test_redis_down_is_503(admin, plane):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    plane.store.r = redis.Redis(port=port, socket_connect_timeout=1)
+    page = admin.get("/admin/costs")
+    assert page.status_code == 503 and "the cost report could not be read" in page.get_data(as_text=True)
+    js = admin.get("/admin/costs.json")
+    assert js.status_code == 503 and js.get_json()["error"]["code"] == "redis_unavailable"
 
 
 def test_costs_page_needs_sign_in(client, r):

@@ -25,7 +25,7 @@ from flask import jsonify, render_template, request
 
 from ... import keys as contract
 from ..auth import require_admin
-from ..errors import error_page, wants_json
+from ..errors import error_page, json_error, wants_json
 from ..state import services
 from .views import bp
 
@@ -106,6 +106,11 @@ def costs_view(r: Any, since_s: int, report_fn: Callable[[Any, int], dict[str, A
     return {"report": rep, "quadrants": quadrants(points), "unknown": unknown}
 
 
+def _refuse(status: int, title: str, message: str, type_: str, code: str):
+    """A refused page: OpenAI's error shape for scripts (``costs.json``, Bearer), else the HTML error page."""
+    return json_error(status, message, type_, code) if wants_json() else error_page(title, message, status)
+
+
 def _figures():
     import redis
 
@@ -114,11 +119,12 @@ def _figures():
     try:
         since_s = parse_since(since)
     except ValueError as exc:
-        return None, since, error_page("Bad request", str(exc), 400)
+        return None, since, _refuse(400, "Bad request", str(exc), "invalid_request_error", "bad_request")
     try:
         return costs_view(services().store.r, since_s), since, None
     except redis.RedisError as exc:
-        return None, since, error_page("Redis unavailable", f"the cost report could not be read: {exc}", 503)
+        return None, since, _refuse(503, "Redis unavailable", f"the cost report could not be read: {exc}",
+                                    "server_error", "redis_unavailable")
 
 
 @bp.get("/costs")
