@@ -8,6 +8,8 @@ Pages (one template each, on ``templates/admin/base.html``):
 ``/admin/pools``               balancer in force, overload degrade, affinity ratio, hottest
                                route keys, failovers
 ``/admin/cache``               HIT / MISS / BYPASS per pool, entries and memory, invalidate
+``/admin/costs``               cost and savings by lever per tenant, cost over time, cost per
+                               successful request, the last hour's four quadrants (admin/costs.py)
 ``/admin/policy``              running YAML, edit, check (inline errors, diff), apply,
                                versions with rollback
 ``/admin/events``              newest first, filter by node and kind
