@@ -70,3 +70,12 @@ def test_the_serving_node_count_follows_the_fleet() -> None:
     assert len(base.pools["p"].caches) == 3
     base.configure(policy(extra="usage: {retention_days: 3}"), {"p": 3})  # same capacity: kept warm
     assert len(base.pools["p"].caches) == 3 and base.pools["p"].caches[0].lookup([A.encode()]) == 1
+
+
+def test_cached_tokens_past_the_logged_blocks_go_to_round_robin() -> None:
+    base = RoundRobinBaseline()
+    base.configure(policy(), {"p": 2})
+    # one logged block (512 tokens) of a 900-token prompt, cold caches: the model finds 0, but
+    # the engine had 800 cached; the 288 past the logged block are not the log's to judge
+    assert base.serve("p", A, 900, cached=800) == 288
+    assert base.serve("p", A, 900, cached=400) == 0  # within what the log shows: the model's answer

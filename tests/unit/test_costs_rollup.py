@@ -66,3 +66,10 @@ def test_no_ts_uses_the_stream_id() -> None:
     del f["ts"]
     got = aggregate([(f"{(HOUR + 7200) * 1000 + 5}-0", f)])
     assert list(got) == [bucket_key(HOUR + 7200, "team-a", "m", "p")]
+
+
+def test_no_affinity_is_claimed_without_logged_blocks() -> None:
+    # a prompt shorter than one chunk logs no block: the baseline cannot model it, so round
+    # robin is credited with everything the engine had cached (affinity 0 for it)
+    assert entry_counts(e(blocks=""), rr_cached=None)["rr_cached"] == 32
+    assert "rr_cached" not in entry_counts(e(cached=""), rr_cached=None)  # unknown usage: nothing

@@ -12,8 +12,10 @@ with each request-log entry's ``blocks``: the chained hashes of the canonical pr
 
 A request's baseline hit is ``leading cached blocks × tokens per block``, at most
 ``prompt − 1`` (vLLM always computes the last prompt token, :func:`max_hit_blocks`). The log
-keeps at most ``usage.log_blocks`` blocks of a prompt, so a prompt longer than that many blocks
-is credited at most that much by the baseline (its affinity share is then an upper bound).
+keeps at most ``usage.log_blocks`` blocks of a prompt, and only full chunks: what the engine
+had cached past the logged blocks is credited to round robin as well, and a request with no
+logged block (a prompt shorter than one chunk) credits its whole ``cached`` to round robin, so
+the affinity saving is a lower bound of what the log can show, never an overstatement.
 The state is in memory: a restarted control plane starts with cold modelled caches (as a fresh
 round-robin fleet would), which only makes the baseline smaller for the first requests.
 """
@@ -51,15 +53,21 @@ class PoolModel:
         del self.caches[nodes:]
         self.turn %= nodes
 
-    def serve(self, chain: list[bytes], prompt: int | None) -> int:
+    def serve(self, chain: list[bytes], prompt: int | None, cached: int | None = None) -> int:
         """Serve one request on the next cache: its cached prompt tokens there (int), then cache
-        its blocks (LRU, tail first evictable, as the simulator does)."""
+        its blocks (LRU, tail first evictable, as the simulator does). ``cached``: what the
+        engine really had; the part of it past the logged blocks (a partial last chunk, blocks
+        beyond ``usage.log_blocks``) is invisible to the model and credited to round robin too,
+        so the affinity saving is never overstated by what the log does not show."""
         cache = self.caches[self.turn]
         self.turn = (self.turn + 1) % len(self.caches)
         hit_blocks = cache.lookup(chain)
         _, pinned = cache.pin(chain)
         cache.release(chain[:pinned])
         tokens = int(hit_blocks * self.tokens_per_block)
+        covered = int(len(chain) * self.tokens_per_block)
+        if cached is not None and cached > covered:
+            tokens += cached - covered
         if prompt is not None:
             tokens = min(tokens, max(0, prompt - 1))
         return tokens
@@ -97,10 +105,12 @@ class RoundRobinBaseline:
         for name in set(self.pools) - {p.name for p in policy.pools}:
             del self.pools[name]
 
-    def serve(self, pool: str, blocks: str, prompt: int | None) -> int | None:
-        """Cached tokens round robin would have given this request; None for an unknown pool or no blocks."""
+    def serve(self, pool: str, blocks: str, prompt: int | None, cached: int | None = None) -> int | None:
+        """Cached tokens round robin would have given this request (``cached``: the engine's, see
+        :meth:`PoolModel.serve`); None for an unknown pool or no blocks (the caller then credits
+        the request's whole ``cached`` to round robin: no affinity is claimed without evidence)."""
         model = self.pools.get(pool)
         chain = parse_blocks(blocks)
         if model is None or not chain:
             return None
-        return model.serve(chain, prompt)
+        return model.serve(chain, prompt, cached)

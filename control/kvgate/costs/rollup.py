@@ -141,8 +141,9 @@ def entry_counts(fields: Mapping[str, str], rr_cached: int | None = None) -> dic
         out["prompt"] = prompt or 0
         out["cached"] = cached or 0
         out["completion"] = completion or 0
-        if cached is not None and rr_cached is not None:
-            out["rr_cached"] = rr_cached
+        if cached is not None:
+            # not modelled (no logged block): round robin is credited with it all, no affinity claimed
+            out["rr_cached"] = cached if rr_cached is None else rr_cached
     cost = _int(fields.get("cost"))
     if cost is None:
         add("unpriced", 1)
@@ -285,7 +286,8 @@ class UsageConsumer:
     def _baseline(self, f: Mapping[str, str]) -> int | None:
         if f.get("cache") == "HIT" or not f.get("node") or f.get("node") == "cache":
             return None  # never reached an engine: round robin would not have seen it either
-        return self.baseline.serve(f.get("pool", ""), f.get("blocks", ""), _int(f.get("prompt")))
+        return self.baseline.serve(f.get("pool", ""), f.get("blocks", ""), _int(f.get("prompt")),
+                                   _int(f.get("cached")))
 
     def step(self) -> int:
         """Read and apply one batch. Returns the entries applied. Raises redis.RedisError.
