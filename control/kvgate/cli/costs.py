@@ -43,7 +43,8 @@ def table(report: dict) -> Table:
     t = Table(title=f"kvgate costs by {report['by']}, since {since}")
     for col in ("", "requests", "ok", "failed", "hits", "prompt tok", "cached", "completion", "cost",
                 "cost/ok", "saved: cache", "prefix", "of which affinity", "batch"):
-        t.add_column(col, justify="left" if col == "" else "right")
+        # fold, never "…": a bill's figure cut short is a wrong figure
+        t.add_column(col, justify="left" if col == "" else "right", overflow="fold")
     for r in report["rows"] + [report["total"]]:
         s = r["saved_usd"]
         t.add_row(r["key"], f"{r['requests']:,}", f"{r['ok']:,}", f"{r['failed']:,}",
@@ -85,7 +86,7 @@ def costs_command(ctx, by: str, since: str, as_json: bool, as_csv: bool, control
         for r in report["rows"] + [report["total"]]:
             w.writerow(_flat(r))
         return
-    Console(width=max(140, Console().width)).print(table(report))
+    Console(width=max(200, Console().width)).print(table(report))
     t = report["total"]
     if t["unpriced"] or t["unknown_usage"]:
         click.echo(f"{t['unpriced']:,} request(s) without a cost (a pool without prices, or usage unknown); "
