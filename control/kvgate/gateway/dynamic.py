@@ -114,20 +114,26 @@ def _connection(internal_listen: str, timeout: float) -> http.client.HTTPConnect
     return http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
 
 
-def _call(internal_listen: str, secret: str, method: str, body: bytes | None, timeout: float) -> dict[str, Any]:
+def _request(internal_listen: str, method: str, path: str, headers: dict[str, str], body: bytes | None,
+             timeout: float) -> tuple[int, bytes]:
+    """One HTTP exchange with the internal listener: (status, body). Raises GatewayUnreachable."""
     conn = _connection(internal_listen, timeout)
-    headers = {"Authorization": f"Bearer {secret}", "Connection": "close"}
-    if body is not None:
-        headers["Content-Type"] = "application/json"
     try:
-        conn.request(method, CONFIG_PATH, body=body, headers=headers)
+        conn.request(method, path, body=body, headers={**headers, "Connection": "close"})
         resp = conn.getresponse()
-        status, raw = resp.status, resp.read()
+        return resp.status, resp.read()
     except (OSError, http.client.HTTPException) as exc:
-        raise GatewayUnreachable(f"gateway internal listener {internal_listen}: {method} {CONFIG_PATH} failed: "
+        raise GatewayUnreachable(f"gateway internal listener {internal_listen}: {method} {path} failed: "
                                  f"{exc or type(exc).__name__}") from None
     finally:
         conn.close()
+
+
+def _call(internal_listen: str, secret: str, method: str, body: bytes | None, timeout: float) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {secret}"}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    status, raw = _request(internal_listen, method, CONFIG_PATH, headers, body, timeout)
     try:
         answer = json.loads(raw)
     except ValueError:
@@ -148,16 +154,7 @@ def get_text(internal_listen: str, path: str, timeout: float = TIMEOUT_S) -> str
     """``GET path`` on the internal listener (HOST:PORT or ``unix:/path``; no secret: ``/metrics``,
     ``/kvgate/health``), the body as text. Raises :class:`GatewayUnreachable` (also for a status
     other than 200) or ``ValueError`` (a bad address)."""
-    conn = _connection(internal_listen, timeout)
-    try:
-        conn.request("GET", path, headers={"Connection": "close"})
-        resp = conn.getresponse()
-        status, raw = resp.status, resp.read()
-    except (OSError, http.client.HTTPException) as exc:
-        raise GatewayUnreachable(f"gateway internal listener {internal_listen}: GET {path} failed: "
-                                 f"{exc or type(exc).__name__}") from None
-    finally:
-        conn.close()
+    status, raw = _request(internal_listen, "GET", path, {}, None, timeout)
     if status != 200:
         raise GatewayUnreachable(f"gateway internal listener {internal_listen}: GET {path} answered {status}")
     return raw.decode("utf-8", errors="replace")
