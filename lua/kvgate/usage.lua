@@ -203,19 +203,105 @@ function _M.blocks(req, endpoint, pool_name, chunk, max_blocks, chain, whole)
 end
 
 local set_body_data = ngx and ngx.req and ngx.req.set_body_data
+local byte = string.byte
+local pairs = pairs
+local type = type
+
+--- value_span(body, name) -> first, last byte of the value of the top-level member `name` of
+-- the JSON object `body` (PURE), or nil. A scan of the strings and the nesting: used only for
+-- the rare stream whose `stream_options` must be rewritten, never on the common path.
+function _M.value_span(body, name)
+    local want = '"' .. name .. '"'
+    local depth, i, vstart = 0, 1, nil
+    while true do
+        local s = find(body, '["{}%[%]]', i)
+        if not s then
+            return nil
+        end
+        local c = byte(body, s)
+        if c == 34 then -- a string: to its closing quote
+            local j = s + 1
+            while true do
+                local e = find(body, '["\\]', j)
+                if not e then
+                    return nil
+                end
+                if byte(body, e) == 92 then
+                    j = e + 2
+                else
+                    j = e
+                    break
+                end
+            end
+            if depth == 1 and not vstart and j - s + 1 == #want and sub(body, s, j) == want then
+                local _, ce = find(body, "^%s*:%s*", j + 1)
+                if ce then -- the member's name, not a string value
+                    local vs = ce + 1
+                    if sub(body, vs, vs + 3) == "null" then
+                        return vs, vs + 3
+                    end
+                    if byte(body, vs) ~= 123 then
+                        return nil -- not an object: the request stage rejected it already
+                    end
+                    vstart = vs
+                end
+            end
+            i = j + 1
+        elseif c == 123 or c == 91 then
+            depth = depth + 1
+            i = s + 1
+        else
+            depth = depth - 1
+            if vstart and depth == 1 then
+                return vstart, s
+            end
+            i = s + 1
+        end
+    end
+end
+
+-- stream_options whose only member, if any, is include_usage (not true): the gateway may put
+-- include_usage: true in their place and strip the usage again (anything else: left alone)
+local function only_include_usage(so)
+    if so == ngx.null then
+        return true
+    end
+    if type(so) ~= "table" or so.include_usage == true then
+        return false
+    end
+    for k in pairs(so) do
+        if k ~= "include_usage" then
+            return false
+        end
+    end
+    return true
+end
+
+_M.USAGE_OPTIONS = '{"include_usage":true}'
 
 --- access(kctx, cfg): stage "usage" (after the cache: a hit needs nothing): a stream whose
--- client did not ask for usage (no stream_options) asks the engine for it, and the body
--- filter strips it again (kctx.log.strip)
+-- client did not ask for usage (no stream_options, null, {} or include_usage false) asks the
+-- engine for it, and the body filter strips it again (kctx.log.strip), so every stream is
+-- billed and the client gets exactly the stream it asked for
 function _M.access(kctx, cfg)
     local r = kctx.req
     local req = r.parsed
-    if req and req.stream == true and req.stream_options == nil then
-        local body = limits.ask_usage(r.body)
-        if body then
-            set_body_data(body)
-            kctx.log.strip = true
+    if not (req and req.stream == true) then
+        return
+    end
+    local so = req.stream_options
+    local body
+    if so == nil then
+        body = limits.ask_usage(r.body)
+    elseif only_include_usage(so) then
+        local vs, ve = _M.value_span(r.body, "stream_options")
+        if vs then
+            body = sub(r.body, 1, vs - 1) .. _M.USAGE_OPTIONS .. sub(r.body, ve + 1)
         end
+    end
+    if body then
+        set_body_data(body)
+        kctx.log.strip = true
     end
 end
 

@@ -160,3 +160,20 @@ def test_the_prefix_balancers_chain_is_the_logged_one(start_sims, start_redis, s
     assert gw.chat(messages, max_tokens=2).status_code == 200
     (e,) = _wait_entries(gw, 1)
     assert e["blocks"] == _blocks_direct(messages, "default") != ""
+
+
+def test_a_stream_with_stream_options_not_asking_for_usage_is_billed(start_sims, start_redis, start_gateway) -> None:
+    """stream_options {}, {"include_usage": false} or null: the gateway asks the engine for usage
+    anyway (rewriting the member in place) and strips it on the way back, so the stream is
+    billed and the client gets no usage chunk it did not ask for."""
+    gw = start_gateway(start_sims(1, prefix="w"), start_redis(), pool={"prices": PRICES}, cache={"enabled": False})
+    for i, so in enumerate(({}, {"include_usage": False}, None)):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"options {i}"}], "max_tokens": 3,
+                "stream": True, "stream_options": so}
+        r = requests.post(gw.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[-200:]
+        assert '"prompt_tokens"' not in r.text, f"{so!r}: a usage chunk the client did not ask for"
+    entries = _wait_entries(gw, 3)
+    for e in entries:
+        assert int(e["prompt"]) > 0 and int(e["completion"]) == 3, e
+        _check_money(e)

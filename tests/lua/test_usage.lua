@@ -191,4 +191,19 @@ H.test("blocks: cost for a 48 KB prompt (printed)", function()
     io.stderr:write(string.format("usage.costs: %.3f us\n", (os.clock() - t0) / 20000 * 1e6))
 end)
 
+H.test("value_span: the top-level member only, never one inside a string or a nested object", function()
+    local body = '{"model":"m","tools":[{"type":"function","function":{"parameters":{"stream_options":' ..
+        '{"type":"object"}}}}],"messages":[{"role":"user","content":"\\"stream_options\\": {}"}],' ..
+        '"x":"stream_options","stream":true,"stream_options" : {"include_usage": false}}'
+    local s, e = usage.value_span(body, "stream_options")
+    H.eq(body:sub(s, e), '{"include_usage": false}')
+    local b2 = '{"stream":true,"stream_options":null,"model":"m"}'
+    s, e = usage.value_span(b2, "stream_options")
+    H.eq(b2:sub(s, e), "null")
+    local b3 = '{"stream":true,"stream_options":{},"messages":[]}'
+    s, e = usage.value_span(b3, "stream_options")
+    H.eq(b3:sub(s, e), "{}")
+    H.eq(usage.value_span('{"stream":true,"messages":[{"content":"stream_options"}]}', "stream_options"), nil)
+end)
+
 H.done()
