@@ -56,13 +56,23 @@ def log_group() -> None:
 
 
 @log_group.command("export")
-@click.option("--redis", "url", default="redis://127.0.0.1:6379/0", show_default=True, envvar="KVGATE_REDIS_URL",
-              help="The gateway's Redis.")
+@click.option("--redis", "url", default=None, envvar="KVGATE_REDIS_URL",
+              help="The gateway's Redis [default: the running stack's redis.url].")
 @click.option("--since", default=None, help="Only entries this recent (e.g. 1h, 30m, 2d) [default: all].")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write here [default: stdout].")
-def export_command(url: str, since: str | None, out: str | None) -> None:
+@click.pass_context
+def export_command(ctx: click.Context, url: str | None, since: str | None, out: str | None) -> None:
     """Write the log's entries as JSON lines (the input `kvgate analyze` reads): docs/analyze.md."""
     import redis
+
+    if url is None:
+        # the running stack's Redis, as `kvgate costs` and `kvgate keys` find it: never a guess
+        from ..stack import Stack
+
+        running = Stack((ctx.find_root().obj or {}).get("run_dir")).load_running_policy()
+        if running is None:
+            raise click.UsageError("no running stack here (kvgate up): give the gateway's Redis with --redis URL")
+        url = running.redis.url
 
     try:
         since_s = parse_since(since)
