@@ -333,3 +333,12 @@ def test_two_consumers_of_one_name_at_once_count_each_entry_once(r: redis.Redis,
     want = expected([entry(i) for i in range(400)])
     assert {k: got[k] for k in want} == want
     assert r.xpending(STREAM, GROUP)["pending"] == 0
+
+
+def test_the_hour_index_forgets_buckets_past_their_retention(r: redis.Redis, redis_server: RedisServer) -> None:
+    old = bucket_key(3600 * 10, "t0", MODEL, "p")  # an hour of 1970: long past any retention
+    r.zadd(HOURS, {old: 3600 * 10})
+    xadd(r, [entry(0)])
+    assert consumer(redis_server.url).drain() == 1
+    members = r.zrange(HOURS, 0, -1)
+    assert old not in members and len(members) == 1, members

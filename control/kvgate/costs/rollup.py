@@ -275,6 +275,9 @@ class UsageConsumer:
             pipe.expire(key, ttl)
         if buckets:
             pipe.expire(HOURS, ttl)
+            # the index forgets buckets past their retention (a day's margin for a lagging consumer's
+            # late writes, which refresh a bucket's TTL): it would otherwise only grow
+            pipe.zremrangebyscore(HOURS, "-inf", f"({int(time.time()) - ttl - 86400}")
         pipe.xack(STREAM, GROUP, *[i for i, _ in entries])
         pipe.set(LAST, max(entries, key=lambda e: _sid(e[0]))[0], ex=ttl)
         pipe.execute()
