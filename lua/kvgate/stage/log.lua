@@ -122,21 +122,23 @@ function _M.count_usage(e)
     local pool = e.pool
     local p = e.prompt
     if p then
+        -- (a usage object may lack a member: nil counts as 0, never an error in the log phase)
+        local c, cached = e.completion or 0, e.cached or 0
         if e.cache == "HIT" then
             if p > 0 then avoided(p, t, pool, "prompt") end
-            if e.completion > 0 then avoided(e.completion, t, pool, "completion") end
+            if c > 0 then avoided(c, t, pool, "completion") end
         else
             if p > 0 then tokens(p, t, pool, "prompt") end
-            if e.cached > 0 then tokens(e.cached, t, pool, "cached") end
-            if e.completion > 0 then tokens(e.completion, t, pool, "completion") end
+            if cached > 0 then tokens(cached, t, pool, "cached") end
+            if c > 0 then tokens(c, t, pool, "completion") end
         end
     end
     local cost = e.cost
     if cost then
         if cost > 0 then cost_usd(cost * NANO, t, pool) end
-        if e.saved_cache > 0 then saved_usd(e.saved_cache * NANO, t, pool, "cache") end
-        if e.saved_prefix > 0 then saved_usd(e.saved_prefix * NANO, t, pool, "prefix") end
-        if e.saved_batch > 0 then saved_usd(e.saved_batch * NANO, t, pool, "batch") end
+        if (e.saved_cache or 0) > 0 then saved_usd(e.saved_cache * NANO, t, pool, "cache") end
+        if (e.saved_prefix or 0) > 0 then saved_usd(e.saved_prefix * NANO, t, pool, "prefix") end
+        if (e.saved_batch or 0) > 0 then saved_usd(e.saved_batch * NANO, t, pool, "batch") end
     end
 end
 
