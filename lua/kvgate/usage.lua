@@ -22,6 +22,7 @@ local bit = require "bit"
 local limits = require "kvgate.limits"
 local prompt = require "kvgate.prompt"
 local prefix_index = require "kvgate.prefix_index"
+local scan = require "kvgate.json_scan"
 
 local ngx = ngx
 local find = string.find
@@ -203,61 +204,20 @@ function _M.blocks(req, endpoint, pool_name, chunk, max_blocks, chain, whole)
 end
 
 local set_body_data = ngx and ngx.req and ngx.req.set_body_data
-local byte = string.byte
 local pairs = pairs
 local type = type
 
 --- value_span(body, name) -> first, last byte of the value of the top-level member `name` of
--- the JSON object `body` (PURE), or nil. A scan of the strings and the nesting: used only for
--- the rare stream whose `stream_options` must be rewritten, never on the common path.
+-- the JSON object `body` (PURE), or nil (kvgate.json_scan: a scan of the whole body, so only
+-- for the rare stream whose `stream_options` must be rewritten, never on the common path)
 function _M.value_span(body, name)
-    local want = '"' .. name .. '"'
-    local depth, i, vstart = 0, 1, nil
-    while true do
-        local s = find(body, '["{}%[%]]', i)
-        if not s then
-            return nil
-        end
-        local c = byte(body, s)
-        if c == 34 then -- a string: to its closing quote
-            local j = s + 1
-            while true do
-                local e = find(body, '["\\]', j)
-                if not e then
-                    return nil
-                end
-                if byte(body, e) == 92 then
-                    j = e + 2
-                else
-                    j = e
-                    break
-                end
-            end
-            if depth == 1 and not vstart and j - s + 1 == #want and sub(body, s, j) == want then
-                local _, ce = find(body, "^%s*:%s*", j + 1)
-                if ce then -- the member's name, not a string value
-                    local vs = ce + 1
-                    if sub(body, vs, vs + 3) == "null" then
-                        return vs, vs + 3
-                    end
-                    if byte(body, vs) ~= 123 then
-                        return nil -- not an object: the request stage rejected it already
-                    end
-                    vstart = vs
-                end
-            end
-            i = j + 1
-        elseif c == 123 or c == 91 then
-            depth = depth + 1
-            i = s + 1
-        else
-            depth = depth - 1
-            if vstart and depth == 1 then
-                return vstart, s
-            end
-            i = s + 1
-        end
+    local start = scan.skip_ws(body, 1)
+    local top = start and scan.members(body, start)
+    local r = top and top[name]
+    if not r then
+        return nil
     end
+    return r[1], r[2]
 end
 
 -- stream_options whose only member, if any, is include_usage (not true): the gateway may put
