@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from .batch import BatchConfig
 from .pricing import PricesConfig, UsageConfig
 
 AffinityKey = Literal["session", "user", "prefix"]
@@ -801,6 +802,7 @@ class Policy(_Strict):
     drain: DrainConfig = Field(default_factory=DrainConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     usage: UsageConfig = Field(default_factory=UsageConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
     tenants: list[TenantConfig] = Field(
         default_factory=list, description="Tenants (with `gateway.auth` optional or required); "
         "`optional` needs one with id `default`.",
