@@ -573,8 +573,10 @@ def bench_command() -> None:
 from .hot_session import hot_session_command  # noqa: E402  (kvgate bench hot-session)
 from .peers import peers_command  # noqa: E402  (kvgate bench peers: the peer routers side by side)
 from .costs import costs_command  # noqa: E402  (kvgate bench costs: the bill's sums against the engines')
+from .batch import batch_command  # noqa: E402  (kvgate bench batch: the prefix-grouped Batch API against file order)
 
 bench_command.add_command(gateway_command)
 bench_command.add_command(hot_session_command)
 bench_command.add_command(peers_command)
 bench_command.add_command(costs_command)
+bench_command.add_command(batch_command)
