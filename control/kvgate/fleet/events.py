@@ -22,6 +22,8 @@ class EventKind(StrEnum):
     CACHE_INVALIDATED = "cache_invalidated"
     APIKEY_CREATED = "apikey_created"
     APIKEY_REVOKED = "apikey_revoked"
+    BATCH_CANCELLED = "batch_cancelled"
+    """An operator cancelled a tenant's batch (``batch``, ``tenant``)."""
     RELOAD = "reload"
     """The gateway's static config was (re)loaded or nginx started (``result``)."""
     RELOAD_FAILED = "reload_failed"
