@@ -36,6 +36,10 @@ POST     /api/v1/keys                           ``{"tenant", "name"}`` → 201 `
 POST     /api/v1/keys/<id>/revoke               revoked within ``gateway.auth_cache_ttl_s``
 GET      /api/v1/costs                          the cost report (kvgate.costs.report); ``?by=tenant|model|pool|
                                                day|hour&since=24h``; 400 for another ``by`` or ``since``
+GET      /api/v1/batches                        every tenant's batches, newest first (OpenAI objects +
+                                               ``tenant``, ``progress``); ``?tenant=&status=&limit=``
+GET      /api/v1/batches/<id>                   one batch, any tenant's (404 unknown)
+POST     /api/v1/batches/<id>/cancel            → cancelling (in-flight lines finish); 409 once finished
 =======  =====================================  ==================================================
 """
 
@@ -279,3 +283,59 @@ def costs():
         return jsonify(build_report(store.r, by, since_s))
     except redis.RedisError as exc:
         raise StoreError(f"redis {store.url}: cost report: {exc}") from None
+
+
+# ---------------------------------------------------------------- batches
+@bp.get("/batches")
+def batches():
+    """``{"batches": [...], "counts": {status: n}}``: every tenant's batches (kvgate.batch.overview)."""
+    import redis
+
+    from ..batch.overview import list_batches, summary
+    from ..control.store import StoreError
+
+    try:
+        limit = int(request.args.get("limit", 100))
+    except ValueError:
+        raise ValueError("limit must be an integer") from None
+    store = services().store
+    try:
+        rows = list_batches(store.r, tenant=request.args.get("tenant") or None,
+                            status=request.args.get("status") or None, limit=limit)
+    except redis.RedisError as exc:
+        raise StoreError(f"redis {store.url}: batches: {exc}") from None
+    return jsonify({"batches": rows, "counts": summary(rows)})
+
+
+def _batch_or_404(batch_id: str):
+    import redis
+
+    from ..batch.overview import find
+    from ..control.store import StoreError
+
+    store = services().store
+    try:
+        b = find(store.r, batch_id)
+    except redis.RedisError as exc:
+        raise StoreError(f"redis {store.url}: batches: {exc}") from None
+    return b
+
+
+@bp.get("/batches/<batch_id>")
+def batch(batch_id: str):
+    b = _batch_or_404(batch_id)
+    if b is None:
+        return json_error(404, f"No batch with id {batch_id!r}", "invalid_request_error", "batch_not_found")
+    return jsonify(b)
+
+
+@bp.post("/batches/<batch_id>/cancel")
+def cancel_batch(batch_id: str):
+    """The operator's cancel of any tenant's batch (the tenant's own: ``POST /v1/batches/<id>/cancel``)."""
+    b = _batch_or_404(batch_id)
+    if b is None:
+        return json_error(404, f"No batch with id {batch_id!r}", "invalid_request_error", "batch_not_found")
+    out = services().batches.cancel(b["tenant"], batch_id)
+    services().event(EventKind.BATCH_CANCELLED, f"batch {batch_id} of tenant {b['tenant'] or '(anonymous)'} "
+                     "cancelled by the operator", batch=batch_id, tenant=b["tenant"])
+    return jsonify(out)
