@@ -24,6 +24,7 @@ class _LazyGroup(click.Group):
         "agent": ("kvgate.agent.cli", "agent_command"),
         "control": ("kvgate.control.cli", "control_command"),
         "keys": ("kvgate.cli.keys", "keys_command"),
+        "batches": ("kvgate.cli.batches", "batches_command"),
         "analyze": ("kvgate.analyze.cli", "analyze_command"),
         "costs": ("kvgate.cli.costs", "costs_command"),
         "log": ("kvgate.analyze.logexport", "log_group"),

@@ -127,6 +127,17 @@ class ControlClient:
     def revoke_key(self, key_id: str) -> dict[str, Any]:
         return self._call("POST", f"/api/v1/keys/{key_id}/revoke")
 
+    def batches(self, tenant: str | None = None, status: str | None = None, limit: int = 100) -> dict[str, Any]:
+        """``{"batches": [...], "counts": {...}}``: every tenant's batches, newest first."""
+        params = {k: v for k, v in (("tenant", tenant), ("status", status), ("limit", limit)) if v}
+        return self._call("GET", "/api/v1/batches", params=params)
+
+    def batch(self, batch_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/api/v1/batches/{batch_id}")
+
+    def cancel_batch(self, batch_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/api/v1/batches/{batch_id}/cancel")
+
     def costs(self, by: str = "tenant", since: str = "24h") -> dict[str, Any]:
         """``GET /api/v1/costs``: the cost report (:mod:`kvgate.costs.report`)."""
         return self._call("GET", "/api/v1/costs", params={"by": by, "since": since})
