@@ -114,6 +114,22 @@ def _list_object(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
 
+def resolve_data_dir(data_dir: str | None, run_dir: Path | str | None) -> Path:
+    """The data directory of policy ``batch.data_dir``: null → ``<run dir>/data``; a relative
+    path is relative to the run directory; ``~`` is expanded. ``run_dir`` None = kvgate's
+    default run directory (:func:`kvgate.rundir.default_run_dir`). The control plane and every
+    worker resolve it alike, so they read and write the same files."""
+    if run_dir is None:
+        from ..rundir import default_run_dir
+
+        run_dir = default_run_dir()
+    base = Path(run_dir)
+    if not data_dir:
+        return base / "data"
+    p = Path(data_dir).expanduser()
+    return p if p.is_absolute() else base / p
+
+
 # --------------------------------------------------------------------------- the store
 class FileStore:
     """Files of every tenant in ``data_dir/files`` (created on first write) and ``r`` (Redis,

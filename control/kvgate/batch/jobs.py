@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import re
 import time
+import threading
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import redis
 
 from ..policy.batch import BatchConfig, window_seconds
 from . import records
-from .files import PURPOSE_BATCH, BatchApiError, FileNotFound, FileStore, InvalidRequest
+from .files import PURPOSE_BATCH, BatchApiError, FileNotFound, FileStore, InvalidRequest, resolve_data_dir
 
 MAX_LIST = 100
 DEFAULT_LIST = 20
@@ -65,12 +67,18 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
 
 
 class Batches:
-    """The batches of every tenant in Redis ``r``; ``files``: the input files' store;
-    ``config``: returns the ``batch:`` section of the policy in force (read at each call, so a
-    new policy's windows apply at once)."""
+    """The batches of every tenant in Redis ``r``; ``files``: the input files' store (or a
+    function returning the one in force); ``config``: returns the ``batch:`` section of the
+    policy in force (read at each call, so a new policy's windows apply at once)."""
 
-    def __init__(self, r: redis.Redis, files: FileStore, config: Callable[[], BatchConfig]):
-        self.r, self.files, self.config = r, files, config
+    def __init__(self, r: redis.Redis, files: FileStore | Callable[[], FileStore],
+                 config: Callable[[], BatchConfig]):
+        self.r, self.config = r, config
+        self._files = files if callable(files) else (lambda: files)
+
+    @property
+    def files(self) -> FileStore:
+        return self._files()
 
     def create(self, tenant: str, *, input_file_id: Any, endpoint: Any, completion_window: Any,
                metadata: Any = None, now: float | None = None) -> dict[str, Any]:
@@ -174,3 +182,31 @@ class Batches:
             if t == tenant and fid == file_id:
                 return bid
         return None
+
+
+class BatchApi:
+    """The Batch API's services over one Redis, for the control plane (``plane.files``,
+    ``plane.batches``): ``policy()`` returns the policy in force (its ``batch:`` section is read
+    at each use); ``run_dir``: where a null or relative ``batch.data_dir`` lives. The
+    :class:`FileStore` is rebuilt when a new policy moves the data directory or the retention."""
+
+    def __init__(self, r: redis.Redis, policy: Callable[[], Any], run_dir: Path | str | None):
+        self.r, self.policy, self.run_dir = r, policy, run_dir
+        self._lock = threading.Lock()
+        self._files: tuple[tuple[Path, int], FileStore] | None = None
+        self.batches = Batches(r, lambda: self.files, self.config)
+
+    def config(self) -> BatchConfig:
+        """The ``batch:`` section in force (the defaults before a policy is applied)."""
+        p = self.policy()
+        return p.batch if p is not None else BatchConfig()
+
+    @property
+    def files(self) -> FileStore:
+        cfg = self.config()
+        want = (resolve_data_dir(cfg.data_dir, self.run_dir), cfg.file_retention_days)
+        with self._lock:
+            if self._files is None or self._files[0] != want:
+                self._files = (want, FileStore(want[0], self.r, retention_days=want[1]))
+            return self._files[1]
+

@@ -102,6 +102,7 @@ class ControlPlane:
         self.warmups = Warmups(self)
         self.usage: Any = None
         """The usage rollups' consumer (:class:`kvgate.costs.rollup.UsageConsumer`), from :meth:`start`."""
+        self._batch_api: Any = None
 
     # ================================================================ lifecycle
     def start(self, policy_text: str | None, source: str) -> None:
@@ -191,6 +192,27 @@ class ControlPlane:
         """Apply a step's changes in order (:func:`kvgate.control.effects.apply_changes`); the
         caller holds :meth:`changing`. Raises InvalidTransition for a move the machine refuses."""
         effects.apply_changes(self, changes)
+
+    # ================================================================ Batch API
+    @property
+    def batch_api(self) -> Any:
+        """The Batch API's services (:class:`kvgate.batch.jobs.BatchApi`), built on first use over
+        this plane's Redis, its policy's ``batch:`` section and its run directory."""
+        if self._batch_api is None:
+            from ..batch.jobs import BatchApi
+
+            self._batch_api = BatchApi(self.store.r, lambda: self.policy, self.run_dir)
+        return self._batch_api
+
+    @property
+    def files(self) -> Any:
+        """The Batch API's files (:class:`kvgate.batch.files.FileStore`)."""
+        return self.batch_api.files
+
+    @property
+    def batches(self) -> Any:
+        """The Batch API's batches (:class:`kvgate.batch.jobs.Batches`)."""
+        return self.batch_api.batches
 
     # ================================================================ runtime
     @property
