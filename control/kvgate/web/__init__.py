@@ -40,6 +40,7 @@ def create_app(services: Any, token: str, config: Mapping[str, Any] | None = Non
     from .admin.views import bp as admin_bp
     from .admin import tenants as _tenants  # noqa: F401 - the Tenants page's views, on admin_bp
     from .admin import costs as _costs  # noqa: F401 - the Costs page's views, on admin_bp
+    from .admin import batches as _batches  # noqa: F401 - the Batches page's views, on admin_bp
     from .api import bp as api_bp
     from .api import root as root_bp
     from .state import WebState
