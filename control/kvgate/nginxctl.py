@@ -54,6 +54,19 @@ CONFIRM_S = 10.0
 """How long a started or reloaded gateway may take to answer ``GET /kvgate/config`` (seconds)."""
 
 
+def _write(path: Path, text: str, private: bool = False) -> None:
+    """Write ``text`` to ``path``; ``private``: readable by its owner only (0600), for kvgate.json,
+    which holds the batch secret (nginx's master reads it in init_by_lua, before dropping to
+    its workers' user)."""
+    if not private:
+        path.write_text(text)
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
 class NginxError(RuntimeError):
     """nginx refused a config or did not start/stop; the message carries nginx's own [emerg] lines."""
 
@@ -81,10 +94,15 @@ class Nginx:
         prefix: the ``-p`` directory (created if missing); holds ``conf/``, ``logs/``, ``tmp/``.
         nginx_bin: the nginx executable.
         lua_dir: the folder with ``kvgate/*.lua`` (default: the repo's ``lua/``).
+        batch_secret: the key of the Batch API worker's ``X-Kvgate-Batch`` header, rendered into
+            kvgate.json (:func:`kvgate.batch.records.batch_secret` of the admin token; ``""``: the
+            gateway refuses every batch header).
     """
 
-    def __init__(self, prefix: Path, nginx_bin: str | None = None, lua_dir: Path | None = None):
+    def __init__(self, prefix: Path, nginx_bin: str | None = None, lua_dir: Path | None = None,
+                 batch_secret: str = ""):
         self.prefix = Path(prefix).resolve()
+        self.batch_secret = batch_secret
         self._nginx_bin = nginx_bin
         self.lua_dir = Path(lua_dir).resolve() if lua_dir else default_lua_dir()
         self.listen: str | None = None
@@ -164,8 +182,10 @@ class Nginx:
             raise NginxError(f"push secret: {exc}") from None
 
     def render(self, policy: Policy) -> dict[str, str]:
-        """The static files for ``policy`` with this gateway's push secret (see :func:`kvgate.render.render`)."""
-        return render(policy, self.lua_dir, push_secret_sha256=dynamic.secret_sha256(self.push_secret()))
+        """The static files for ``policy`` with this gateway's push secret and batch secret (see
+        :func:`kvgate.render.render`)."""
+        return render(policy, self.lua_dir, push_secret_sha256=dynamic.secret_sha256(self.push_secret()),
+                      batch_secret=self.batch_secret)
 
     def apply(self, policy: Policy, runtime: Runtime | None = None, start: bool = True) -> str:
         """Make nginx run ``policy`` with the control plane's ``runtime`` (None: the policy as written).
@@ -210,7 +230,7 @@ class Nginx:
         if running:
             for rel, old in installed.items():
                 if old is not None:
-                    (self.prefix / (rel + ".last-good")).write_text(old)
+                    _write(self.prefix / (rel + ".last-good"), old, private=rel == DATA)
         # the runtime first: the new config's init_by_lua seeds its workers from it
         self._install({RUNTIME: doc_text, **files})
         if running:
@@ -295,7 +315,7 @@ class Nginx:
         for rel, text in files.items():
             target = self.prefix / rel
             tmp = target.with_name(target.name + ".new")
-            tmp.write_text(text)
+            _write(tmp, text, private=rel == DATA)
             os.replace(tmp, target)
 
     def _rollback(self, installed: dict[str, str | None], old_runtime: str | None = None) -> None:

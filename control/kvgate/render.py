@@ -49,6 +49,7 @@ from typing import Any
 import jinja2
 
 from . import paths
+from .addr import connect_address
 from .fleet.weights import WEIGHT_SCALE  # noqa: F401 - the weight arithmetic's one home; re-exported
 from .policy.model import DEFAULT_TENANT, Policy
 from .policy.pricing import PricesConfig
@@ -258,13 +259,15 @@ def _prices(prices: PricesConfig) -> dict[str, Any]:
     return {"input": t.input, "cached": t.cached_input, "output": t.output, "batch_discount": prices.batch_discount}
 
 
-def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
+def data_config(policy: Policy, push_secret_sha256: str = "", batch_secret: str = "") -> dict[str, Any]:
     """The ``kvgate.json`` content (without its ``digest`` and ``lua_digest``) as a dict.
 
     Per pool ``balancer`` and per node ``weight`` are the policy's (base weight ×
     ``WEIGHT_SCALE``), as is ``cache.namespace_version``: the defaults of a gateway without
     ``conf/runtime.json`` (:data:`RUNTIME_DEFAULTS`). ``internal.push_secret_sha256``: sha256 hex
     of the push secret the internal listener accepts (``""``: none, every push is refused).
+    ``batch_secret``: the key of the Batch API's ``X-Kvgate-Batch`` header
+    (:func:`kvgate.batch.records.batch_secret`; ``""``: every such header is refused).
 
     Resolves host names (see :func:`redis_host`); raises ``ValueError`` when the Redis
     host does not resolve."""
@@ -372,6 +375,8 @@ def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
             "credential_headers": [h.lower() for h in policy.cache.credential_headers],
         },
         "internal": {"push_secret_sha256": push_secret_sha256},
+        # the Batch API's line principal (lua/kvgate/batch_principal.lua): HMAC key, "" = refused
+        "batch_secret": batch_secret,
         "redis": {
             "host": redis_host(policy),
             "port": policy.redis.port,
@@ -380,6 +385,11 @@ def data_config(policy: Policy, push_secret_sha256: str = "") -> dict[str, Any]:
             "pool_size": policy.redis.pool_size,
         },
     }
+
+
+FILES_MAX_BODY_BYTES = 201 * 1024 * 1024
+"""``client_max_body_size`` of the client listener's ``/v1/files``: OpenAI's 200 MB file limit plus
+1 MiB for the multipart framing (the control plane checks the file's own size)."""
 
 
 STREAM_CUT_MARGIN_S = 1.0
@@ -456,7 +466,7 @@ def upstream_pools(policy: Policy) -> list[dict[str, Any]]:
 
 
 def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None, *,
-           push_secret_sha256: str = "") -> dict[str, str]:
+           push_secret_sha256: str = "", batch_secret: str = "") -> dict[str, str]:
     """Render the gateway's static config for ``policy``.
 
     Args:
@@ -467,6 +477,9 @@ def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None, *,
         push_secret_sha256: sha256 hex of the internal listener's push secret
             (:class:`kvgate.nginxctl.Nginx` passes its ``conf/push.secret``'s); ``""`` renders a
             gateway that refuses every push (fine for ``nginx -t``).
+        batch_secret: the HMAC key of the Batch API worker's ``X-Kvgate-Batch`` header
+            (:func:`kvgate.batch.records.batch_secret` of the admin token; hex). ``""`` renders a
+            gateway that refuses every batch header. It is a secret: kvgate.json is 0600-worthy.
 
     Returns:
         ``{"conf/nginx.conf": text, "conf/kvgate.json": text}``, paths relative to
@@ -480,13 +493,15 @@ def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None, *,
     gw = policy.gateway
     conf = _env().get_template("nginx.conf.j2").render(
         gw=gw,
+        control_addr=connect_address(policy.control.listen),
+        files_max_body_bytes=FILES_MAX_BODY_BYTES,
         public_metrics=policy.public_metrics,
         pools=upstream_pools(policy),
         lua_dir=str(lua_dir),
         connect_timeout=_seconds(gw.connect_timeout_s),
         read_timeout=_seconds(gw.read_timeout_s),
     )
-    data = data_config(policy, push_secret_sha256)
+    data = data_config(policy, push_secret_sha256, batch_secret)
     # The Lua modules are loaded once per (re)load, so a changed module must count as a
     # changed config: otherwise `kvgate up` after an upgrade would keep the old code.
     data["lua_digest"] = lua_digest(lua_dir)

@@ -3,6 +3,8 @@
 --   local kctx = require("kvgate.ctx").get()
 --   kctx.tenant    auth stage: id, scope (the cache scope), models (allowed set | nil = all);
 --                  empty with gateway.auth off
+--   kctx.batch     auth stage: {id = batch id, line = line index} for a Batch API line (a
+--                  verified X-Kvgate-Batch), nil otherwise
 --   kctx.req       request stage: endpoint, the parsed request, rejected (status of a refusal)
 --   kctx.limit     limit stage: the request's buckets, how they were checked, the answer's tail
 --   kctx.admission admission stage: the pool whose slot the request holds, or waits for

@@ -72,7 +72,7 @@ end
 --           prompt_tokens_details.cached_tokens (0 without details) and completion_tokens;
 --           a cache HIT: the cached answer's prompt and completion (tokens avoided), cached 0
 --   ttft    ms from the request's start to the engine's first body byte ("" none, a hit)
---   batch   the Batch API's id (issue 14; "" otherwise; never from a client header)
+--   batch   the Batch API's batch id (issue 14; "" otherwise): from a verified X-Kvgate-Batch only
 --   blocks  the chain of block hashes of the canonical prompt (kvgate.prefix_index.chain:
 --           the pool's chunk_chars, its name as seed), 16 hex digits per full chunk, at most
 --           usage.log_blocks; "" none

@@ -281,12 +281,13 @@ def private_dir(base: Path, name: str) -> Path:
     return d
 
 
-def _start_gateway(base: Path, policy: Policy, sims: list[Sim], redis: RedisServer | None) -> Gateway:
+def _start_gateway(base: Path, policy: Policy, sims: list[Sim], redis: RedisServer | None,
+                   batch_secret: str = "") -> Gateway:
     private = private_dir(base, f"private-{policy.gateway.listen.rsplit(':', 1)[1]}")
     # the Lua modules too live where workers cannot read them: they must be loaded in init
     lua_dir = private / "lua"
     shutil.copytree(default_lua_dir(), lua_dir)
-    nginx = Nginx(private / "prefix", lua_dir=lua_dir)
+    nginx = Nginx(private / "prefix", lua_dir=lua_dir, batch_secret=batch_secret)
     try:
         assert nginx.apply(policy) == "started"
         nginx.wait_ready(policy.gateway.listen)
@@ -327,8 +328,9 @@ def start_sims(tmp_path: Path) -> Iterator[Callable[..., list[Sim]]]:
 def start_gateway(tmp_path: Path) -> Iterator[Callable[..., Gateway]]:
     started: list[Gateway] = []
 
-    def factory(sims: list[Sim], redis: RedisServer | None, **policy_kw: Any) -> Gateway:
-        gw = _start_gateway(tmp_path, make_policy(sims, redis, **policy_kw), sims, redis)
+    def factory(sims: list[Sim], redis: RedisServer | None, *, batch_secret: str = "", **policy_kw: Any) -> Gateway:
+        """A gateway over ``sims``; ``batch_secret``: kvgate.json's (the X-Kvgate-Batch key)."""
+        gw = _start_gateway(tmp_path, make_policy(sims, redis, **policy_kw), sims, redis, batch_secret)
         started.append(gw)
         return gw
 

@@ -34,6 +34,7 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
     import waitress
 
     from ..addr import split_host_port
+    from ..batch.records import batch_secret
     from ..nginxctl import Nginx
     from ..policy import load_policy, parse_policy_text
     from ..rundir import RunDir
@@ -71,8 +72,9 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
     token, created = ensure_token(token_path)
     if created:
         click.echo(f"admin token written to {token_path} (mode 0600)", err=True)
-    plane = ControlPlane(store, Nginx(nginx_prefix or rd.nginx_prefix), run_dir=run_dir,
-                         external_gateway=external_gateway)
+    # the Batch API worker signs its lines with a key derived from the same token (X-Kvgate-Batch)
+    plane = ControlPlane(store, Nginx(nginx_prefix or rd.nginx_prefix, batch_secret=batch_secret(token)),
+                         run_dir=run_dir, external_gateway=external_gateway)
     if listen is None:
         if policy is not None:
             listen = policy.control.listen

@@ -2,7 +2,7 @@
 -- (kvgate.admission). A pool without `admission` costs one table lookup.
 --   kctx.admission = {pool (a slot held), waiting (queued), interactive}
 -- Priority: `X-Kvgate-Priority: interactive | batch` (default interactive); a tenant with
--- `priority: batch` is batch whatever it sends. Refusals: 503 `overloaded` (type server_error,
+-- `priority: batch`, and a Batch API line (kctx.batch, the auth stage), are batch whatever they send. Refusals: 503 `overloaded` (type server_error,
 -- Retry-After) when the queue is full or the wait passed queue_timeout_s; 400 for another
 -- priority value.
 local admission = require "kvgate.admission"
@@ -39,7 +39,7 @@ function _M.access(kctx, cfg)
         end
     end
     local t = kctx.tenant.id and cfg.tenants[kctx.tenant.id]
-    if t and t.priority == "batch" then
+    if kctx.batch or (t and t.priority == "batch") then
         prio = "batch"
     end
     local ok, why = admission.enter(kctx.admission, route.pool, adm, prio)

@@ -65,8 +65,9 @@ function _M.entry(kctx, node, status, outcome, addr, cfg)
     local hit = outcome == "HIT"
     local p, c, cached = kl.prompt, kl.completion, kl.cached
     local pool_cfg = route.pool_cfg
-    -- batch: the Batch API's id, from a trusted source only (TODO issue 14); never a client header
-    local batch = ""
+    -- batch: the Batch API's id, from a verified X-Kvgate-Batch only (kvgate.stage.auth)
+    local b = kctx.batch
+    local batch = b and b.id or ""
     local cost, s_cache, s_prefix, s_batch = usage.costs(pool_cfg and pool_cfg.prices, p, c, cached, hit,
         batch ~= "")
     local first = kl.first
