@@ -28,6 +28,7 @@ class _LazyGroup(click.Group):
         "analyze": ("kvgate.analyze.cli", "analyze_command"),
         "costs": ("kvgate.cli.costs", "costs_command"),
         "log": ("kvgate.analyze.logexport", "log_group"),
+        "batch-worker": ("kvgate.cli.batch", "batch_worker_command"),
     }
 
     def list_commands(self, ctx):
