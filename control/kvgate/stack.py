@@ -1,5 +1,6 @@
 """Run a whole kvgate stack as local processes: a private Redis, the engine simulators, the
-control plane (which writes and starts nginx) and one node agent per simulated engine.
+control plane (which writes and starts nginx), one node agent per simulated engine and one
+batch worker (``kvgate batch-worker``, when ``batch.enabled``).
 
 Everything lives under one *run directory* (:mod:`kvgate.rundir`: ``state.json``, ``pids/``,
 ``logs/``, ``redis/``, ``nginx/``, the admin token).
@@ -191,6 +192,8 @@ class Stack:
         if name.startswith("agent-"):
             cmd = proc.cmdline()
             return cmd[1:6] == ["-m", "kvgate", "agent", "--node-id", name[6:]] and str(self.token_file) in cmd
+        if name == "batch-worker":
+            return proc.cmdline()[1:6] == ["-m", "kvgate", "--run-dir", str(self.run_dir), "batch-worker"]
         return False
 
     def _live_pid(self, name: str) -> int | None:
@@ -380,6 +383,10 @@ class Stack:
                 echo(f"nginx     {'reloaded' if nginx_before else 'started'} by the control plane")
             self._stop_unlisted("sim", sims, echo)
             self._per_node("agent", sims, lambda node: self.start_agent(policy, node), echo, started)
+            result = self.start_batch_worker(policy_path, policy)
+            echo(f"batch-worker {result}")
+            if result in ("started", "restarted"):
+                started.append("batch-worker")
         except BaseException:
             # Leave nothing half-started behind: stop what this call started (and only that),
             # then bring back what the previous policy ran (parts this call replaced).
@@ -467,6 +474,19 @@ class Stack:
         Returns ``started``, ``running`` or ``restarted``."""
         return self._keep_or_spawn(f"agent-{node.id}", self.agent_command(policy, node))
 
+    def batch_worker_command(self, policy_path: Path) -> list[str]:
+        """The ``kvgate batch-worker`` command line of this run directory (it re-reads the
+        policy file when it changes)."""
+        return [sys.executable, "-m", "kvgate", "--run-dir", str(self.run_dir), "batch-worker",
+                "--policy", str(Path(policy_path).resolve()), "--token-file", str(self.token_file)]
+
+    def start_batch_worker(self, policy_path: Path, policy: Policy) -> str:
+        """Start (or keep) one batch worker when ``batch.enabled``, else stop a running one.
+        Returns ``started``, ``running``, ``restarted``, ``stopped`` or ``disabled``."""
+        if not policy.batch.enabled:
+            return "stopped" if self._stop_pid("batch-worker") else "disabled"
+        return self._keep_or_spawn("batch-worker", self.batch_worker_command(policy_path))
+
     def _per_node(self, kind: str, nodes: list[NodeConfig], start, echo, started: list[str],
                   stop_others: bool = True) -> None:
         """Start (or keep) one ``<kind>-<node>`` process per node with ``start(node)``, note the
@@ -527,7 +547,9 @@ class Stack:
         directory (whatever is running). The control plane goes first, so it does not eject
         nodes whose engines are being stopped."""
         if self.pids.is_dir():
-            for f in [self._pid_file("control")] + sorted(self.pids.glob("agent-*.pid")):
+            # the batch worker first: lines it sent to a stopping gateway would only be retried
+            first = [self._pid_file("batch-worker"), self._pid_file("control")]
+            for f in first + sorted(self.pids.glob("agent-*.pid")):
                 if f.exists() and self._stop_pid(f.stem):
                     echo(f"{f.stem:<9} stopped")
         if self.nginx.pid():
@@ -568,4 +590,7 @@ class Stack:
             if node.simulate:
                 pid = self._live_pid(f"agent-{node.id}")
                 out.append(Component(f"agent-{node.id}", pid, pid is not None, f"reports {node.id} to {control}"))
+        if policy.batch.enabled:
+            pid = self._live_pid("batch-worker")
+            out.append(Component("batch-worker", pid, pid is not None, f"runs batch lines through http://{listen}"))
         return out
