@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+import redis
+
+from kvgate.batch.files import BatchApiError, FileInUse, FileNotFound, FileTooLarge, InvalidRequest
+from kvgate.batch.jobs import BatchNotCancellable, BatchNotFound
 from kvgate.control.plane import ApplyError, Conflict, NodeHasWork, NotFound
 from kvgate.control.report import ReportError
 from kvgate.control.states import InvalidTransition
@@ -36,6 +40,20 @@ CASES = [
     (ValueError("limit must be an integer"), 400, "invalid_request_error", "bad_request", {}),
     (UnknownKey("no API key 'key_0123456789ab'"), 404, "not_found_error", "api_key_not_found", {}),
     (ApiKeyError("unknown tenant 'x'"), 400, "invalid_request_error", "invalid_api_key_request", {}),
+    (redis.RedisError("connection refused"), 503, "server_error", "redis_unavailable", {}),
+    # the Batch API's (tests/web/test_batch_api.py has them under /v1/, as tenants get them)
+    (FileNotFound("No such File object: file-x", "file_id"), 404, "invalid_request_error", "file_not_found",
+     {"param": "file_id"}),
+    (BatchNotFound("No batch found with id 'batch_x'.", "batch_id"), 404, "invalid_request_error",
+     "batch_not_found", {"param": "batch_id"}),
+    (FileTooLarge("The file is larger than 1,024 bytes", "file"), 413, "invalid_request_error", "file_too_large",
+     {"param": "file"}),
+    (FileInUse("the input of batch_x", "file_id"), 409, "invalid_request_error", "file_in_use", {"param": "file_id"}),
+    (BatchNotCancellable("Cannot cancel a batch with status 'completed'.", "completed"), 409,
+     "invalid_request_error", "batch_not_cancellable", {"param": None}),
+    (InvalidRequest("limit must be between 1 and 100", "limit"), 400, "invalid_request_error", "invalid_request",
+     {"param": "limit"}),
+    (BatchApiError("bad"), 400, "invalid_request_error", "invalid_request", {"param": None}),
 ]
 IDS = [type(c[0]).__name__ for c in CASES]
 

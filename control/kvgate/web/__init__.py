@@ -6,6 +6,8 @@ app ``kvgate control`` serves with waitress:
 - blueprint ``root`` (:mod:`kvgate.web.api`): ``/`` → ``/admin/``, ``/healthz``, ``/metrics``
 - blueprint ``api`` (:mod:`kvgate.web.api`): the JSON API under ``/api/v1``
 - blueprint ``admin`` (:mod:`kvgate.web.admin.views`): the admin page under ``/admin``
+- blueprint ``openai`` (:mod:`kvgate.web.batch_api`): OpenAI's Files and Batch API under ``/v1``,
+  for tenants (their API keys, never the admin token)
 - :mod:`kvgate.web.errors`: one table from domain exceptions to status, error type and code,
   rendered as JSON for the API and as the HTML error page for the admin page
 - :mod:`kvgate.web.auth`: Bearer token, session, CSRF, ``@require_admin``
@@ -21,7 +23,8 @@ from collections.abc import Mapping
 from typing import Any
 
 MAX_CONTENT_BYTES = 4 * 1024 * 1024
-"""The largest request body (a policy is at most 1 MiB; the admin form holds one)."""
+"""The largest request body (a policy is at most 1 MiB; the admin form holds one). ``POST
+/v1/files`` sets its own: policy ``batch.max_file_bytes`` (:mod:`kvgate.web.batch_api`)."""
 
 
 def create_app(services: Any, token: str, config: Mapping[str, Any] | None = None):
@@ -43,6 +46,7 @@ def create_app(services: Any, token: str, config: Mapping[str, Any] | None = Non
     from .admin import batches as _batches  # noqa: F401 - the Batches page's views, on admin_bp
     from .api import bp as api_bp
     from .api import root as root_bp
+    from .batch_api import bp as openai_bp
     from .state import WebState
 
     app = Flask("kvgate.web")
@@ -58,13 +62,16 @@ def create_app(services: Any, token: str, config: Mapping[str, Any] | None = Non
     def _auth_unrouted():
         # No route (404) or not this method (405): the blueprints' checks do not run, so the
         # API's holds here — an unauthenticated caller learns nothing about which URLs exist.
-        # The admin page's prefix answers its HTML 404 (or /admin → /admin/) without sign-in.
+        # The admin page's prefix answers its HTML 404 (or /admin → /admin/) without sign-in, and
+        # OpenAI's /v1/ its OpenAI-format 404/405 (that API's URLs are public; its keys are tenants').
         if request.url_rule is None and request.path not in ("/", "/healthz", "/favicon.ico") \
-                and not (request.path == "/admin" or request.path.startswith("/admin/")):
+                and not (request.path == "/admin" or request.path.startswith("/admin/")) \
+                and not errors.is_openai_path():
             return auth.require_token()
         return None
 
     app.register_blueprint(root_bp)
     app.register_blueprint(api_bp)
     app.register_blueprint(admin_bp)
+    app.register_blueprint(openai_bp)
     return app

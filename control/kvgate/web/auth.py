@@ -11,6 +11,9 @@
   or header ``X-CSRFToken``); a bad one answers 400 before the view runs. Without either, a
   JSON client gets 401 ``not_signed_in`` and a browser a redirect to the sign-in page.
 
+- The Batch API (``/v1/files``, ``/v1/batches``): a tenant's API key, checked here as the
+  gateway checks it (:func:`tenant_of_request`; the gateway passes the header through).
+
 Tokens are compared in constant time (:func:`hmac.compare_digest`).
 """
 
@@ -28,6 +31,8 @@ from typing import Any
 from flask import current_app, g, redirect, request, session, url_for
 from flask_wtf.csrf import CSRFProtect
 
+from .. import keys
+from ..control.apikeys import digest
 from ..control.store import StoreError
 from .errors import json_error, wants_json
 from .state import services, state
@@ -151,3 +156,76 @@ def require_admin(view: Callable[..., Any]) -> Callable[..., Any]:
 def actor() -> str:
     """Who acts, as events and node reasons say it."""
     return "admin page" if g.get("admin_via") == "session" else "admin page (token)"
+
+
+# ------------------------------------------------------------------ tenants (the Batch API)
+_MISSING = ("You didn't provide an API key. You need to provide your API key in an Authorization header using "
+            "Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+_INCORRECT = "Incorrect API key provided. Create keys with `kvgate keys create` or on the admin page."
+_MALFORMED = "The Authorization header is malformed: expected `Authorization: Bearer YOUR_KEY`."
+_REVOKED = "The API key provided has been revoked."
+_IN_QUERY = ("API keys are not accepted in the query string (URLs end up in logs): send "
+             "`Authorization: Bearer YOUR_KEY` instead, and revoke the key you sent.")
+_QUERY_KEY_NAMES = frozenset({"api_key", "api-key", "apikey", "key", "access_token", "token", "auth"})
+_TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~+/=")
+MAX_KEY_CHARS = 256
+"""The longest Bearer token looked up (the gateway's ``tenant.MAX_TOKEN``)."""
+
+
+def key_in_query() -> bool:
+    """Whether the query string carries an API key (a ``kvg-`` value, or a parameter named like
+    a credential): refused, as the gateway refuses it (lua/kvgate/tenant.lua)."""
+    if not request.query_string:
+        return False
+    if any(v.lower().find("kvg-") >= 0 or k.lower().find("kvg-") >= 0 for k, v in request.args.items(multi=True)):
+        return True
+    return any(k.lower() in _QUERY_KEY_NAMES for k in request.args)
+
+
+def _refuse(message: str):
+    resp = json_error(401, message, "invalid_request_error", "invalid_api_key", param=None)
+    resp.headers["WWW-Authenticate"] = 'Bearer realm="kvgate"'
+    return resp
+
+
+def tenant_of_request() -> tuple[str | None, Any]:
+    """The tenant of a Batch API request → ``(tenant id, None)``, or ``(None, the 401/503
+    response)``, by the running policy's ``gateway.auth``:
+
+    - ``off``: ``""`` (one anonymous tenant), whatever the headers say
+    - ``optional``: no Authorization header = the tenant ``default``; a key must be valid
+    - ``required``: a valid key, always
+
+    A valid key is ``Authorization: Bearer kvg-...`` whose SHA-256 names a record in Redis
+    (:mod:`kvgate.control.apikeys`) that is not revoked, of a tenant the policy has. A key in the
+    query string is refused. Refusals: 401 ``invalid_api_key`` in OpenAI's format (the key is
+    never echoed); 503 ``redis_unavailable`` (StoreError) when Redis cannot be asked.
+    """
+    policy = services().policy
+    mode = policy.gateway.auth if policy is not None else "off"
+    if mode == "off":
+        return "", None
+    if key_in_query():
+        return None, _refuse(_IN_QUERY)
+    header = request.headers.get("Authorization")
+    if header is None:
+        if mode == "optional":
+            from ..policy.model import DEFAULT_TENANT
+
+            return DEFAULT_TENANT, None
+        return None, _refuse(_MISSING)
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or len(token) > MAX_KEY_CHARS or not set(token) <= _TOKEN_CHARS:
+        return None, _refuse(_MALFORMED)
+    store = services().store
+    rec = store._call("read api key", store.r.hgetall, keys.apikey_key(digest(token)))
+    if not rec:
+        return None, _refuse(_INCORRECT)
+    if rec.get("revoked") == "1":
+        return None, _refuse(_REVOKED)
+    tenant = rec.get("tenant", "")
+    if tenant not in {t.id for t in policy.tenants}:
+        return None, _refuse(_INCORRECT)  # a key of a tenant the policy no longer has
+    g.api_key_id = rec.get("id")
+    return tenant, None

@@ -17,9 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flask import Flask, Response, g, jsonify, render_template, request
+from flask import Flask, Response, current_app, g, jsonify, render_template, request
 from flask_wtf.csrf import CSRFError
 
+import redis
+
+from ..batch.files import BatchApiError, FileInUse, FileNotFound, FileTooLarge, InvalidRequest
+from ..batch.jobs import BatchNotCancellable, BatchNotFound
 from ..control.apikeys import ApiKeyError, UnknownKey
 from ..control.plane import ApplyError, Conflict, NodeHasWork, NotFound
 from ..control.report import ReportError
@@ -59,6 +63,11 @@ def _policy_issues(exc: BaseException) -> dict[str, Any]:
     return {"issues": [{"path": i.path, "reason": i.reason} for i in getattr(exc, "issues", [])]}
 
 
+def _param(exc: BaseException) -> dict[str, Any]:
+    """OpenAI's ``error.param`` (the Batch API's errors name the field at fault, or null)."""
+    return {"param": getattr(exc, "param", None)}
+
+
 def _csrf_message(exc: BaseException) -> str:
     return (f"{getattr(exc, 'description', exc)} Nothing was changed. The page may be out of date, or the request "
             "did not come from this page: reload it and try again.")
@@ -79,6 +88,17 @@ ERRORS: dict[type[BaseException], ErrorKind] = {
     ApplyError: ErrorKind(500, "server_error", "apply_failed", "Not applied",
                           lambda e: f"the gateway config was not applied; the running one keeps serving: {e}"),
     StoreError: ErrorKind(503, "server_error", "redis_unavailable", "Redis unavailable"),
+    redis.RedisError: ErrorKind(503, "server_error", "redis_unavailable", "Redis unavailable",
+                                lambda e: f"Redis cannot be reached right now; retry in a few seconds ({e})", _param),
+    # the Batch API (/v1/files, /v1/batches; kvgate.batch.files, kvgate.batch.jobs): OpenAI's error type
+    FileNotFound: ErrorKind(404, "invalid_request_error", "file_not_found", "No such file", extra=_param),
+    BatchNotFound: ErrorKind(404, "invalid_request_error", "batch_not_found", "No such batch", extra=_param),
+    FileTooLarge: ErrorKind(413, "invalid_request_error", "file_too_large", "Too large", extra=_param),
+    FileInUse: ErrorKind(409, "invalid_request_error", "file_in_use", "File in use", extra=_param),
+    BatchNotCancellable: ErrorKind(409, "invalid_request_error", "batch_not_cancellable", "Not possible now",
+                                   extra=_param),
+    InvalidRequest: ErrorKind(400, "invalid_request_error", "invalid_request", "Bad request", extra=_param),
+    BatchApiError: ErrorKind(400, "invalid_request_error", "invalid_request", "Bad request", extra=_param),
     UnknownKey: ErrorKind(404, "not_found_error", "api_key_not_found", "No such API key", _first_arg),
     ApiKeyError: ErrorKind(400, "invalid_request_error", "invalid_api_key_request", "Not possible"),
     CSRFError: ErrorKind(400, "invalid_request_error", "csrf_failed", "Bad request", _csrf_message),
@@ -104,11 +124,20 @@ def json_error(status: int, message: str, type_: str, code: str | None = None, *
 
 
 def error_json(exc: BaseException) -> Response:
-    """``exc`` as the API answers it (its :data:`ERRORS` entry; an unknown exception is re-raised)."""
+    """``exc`` as the API answers it (its :data:`ERRORS` entry; an unknown exception is re-raised).
+    Under ``/v1/`` (tenants, not operators) ``param`` is always there and a server error's
+    message does not name kvgate's internals (the log has them)."""
     kind = lookup(exc)
     if kind is None:
         raise exc
-    return json_error(kind.status, kind.message(exc), kind.type, kind.code, **kind.extra(exc))
+    message, extra = kind.message(exc), kind.extra(exc)
+    if is_openai_path():
+        extra = {"param": None, **extra}
+        if kind.status >= 500:
+            current_app.logger.warning("%s %s: %s", request.method, request.path, message)
+            message = "The service cannot reach its state store right now; retry in a few seconds." \
+                if kind.code == "redis_unavailable" else "The server had an error while processing your request."
+    return json_error(kind.status, message, kind.type, kind.code, **extra)
 
 
 def error_page(title: str, message: str, status: int) -> tuple[str, int]:
@@ -138,20 +167,39 @@ def _domain_error(exc: BaseException):
     return error_json(exc)
 
 
+def is_openai_path() -> bool:
+    """Under ``/v1/`` (the Batch API): errors in OpenAI's exact shape, ``param`` included."""
+    return request.path == "/v1" or request.path.startswith("/v1/")
+
+
 def register(app: Flask) -> None:
     """Install the handlers: every :data:`ERRORS` class, and the HTTP errors Flask raises
-    itself (404 no route, 405 method, 413 body too large): JSON, or the HTML page under /admin."""
+    itself (404 no route, 405 method, 413 body too large, 500 under ``/v1/``): JSON, or the
+    HTML page under /admin; under ``/v1/`` OpenAI's ``{"error": {message, type, param, code}}``."""
     for cls in ERRORS:
         app.register_error_handler(cls, _domain_error)
 
+    @app.errorhandler(500)
+    def _internal(exc):
+        if is_openai_path():
+            return json_error(500, "The server had an error while processing your request; the control plane's "
+                              "log has the details.", "server_error", "internal_error", param=None)
+        return exc  # Flask's own 500 page, as before
+
     @app.errorhandler(404)
     def _no_route(_exc):
+        if is_openai_path():
+            return json_error(404, f"Invalid URL ({request.method} {request.path})", "invalid_request_error",
+                              "unknown_url", param=None)
         if _is_admin():
             return error_page("Not found", f"There is no page at {request.path}.", 404)
         return json_error(404, f"no such endpoint: {request.method} {request.path}", "not_found_error", "not_found")
 
     @app.errorhandler(405)
     def _no_method(_exc):
+        if is_openai_path():
+            return json_error(405, f"Invalid method for URL ({request.method} {request.path})",
+                              "invalid_request_error", "method_not_allowed", param=None)
         if _is_admin():
             return error_page("Method not allowed", f"{request.method} is not allowed on {request.path}.", 405)
         return json_error(405, f"method {request.method} not allowed on {request.path}", "invalid_request_error",
@@ -159,6 +207,9 @@ def register(app: Flask) -> None:
 
     @app.errorhandler(413)
     def _too_large(_exc):
+        if is_openai_path():
+            return json_error(413, "The request body is larger than this endpoint accepts.", "invalid_request_error",
+                              "too_large", param=None)
         if _is_admin() and "text/html" in request.headers.get("Accept", ""):
             return error_page("Too large", "The form is larger than the control plane accepts (4 MiB).", 413)
         return json_error(413, "request body too large", "invalid_request_error", "too_large")
