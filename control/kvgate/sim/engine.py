@@ -296,6 +296,32 @@ class Engine:
             self._leave()
 
 
+    async def embed(self, prompt_tokens: int) -> None:
+        """Run one embedding request of ``prompt_tokens`` tokens (all its inputs together).
+
+        It takes a sequence slot like a generation and costs its prefill
+        (``prompt_tokens × prefill_s_per_token``, through the prefill lanes), and nothing else:
+        no decode, no output tokens. The prefix cache is neither read nor filled (an embedding
+        model's encoder attends both ways: no prefix of it can be reused). Counted in
+        ``vllm:prompt_tokens_total``, ``vllm:request_success_total{finished_reason="stop"}``, the
+        queue-time, TTFT (= end of the prefill) and e2e histograms. Cancellation releases the slot.
+        """
+        cfg = self.config
+        m = self.metrics
+        arrival = time.monotonic()
+        await self._admit()
+        try:
+            m.queue_time.observe(time.monotonic() - arrival)
+            async with self._prefill:
+                await _sleep(prompt_tokens * cfg.prefill_s_per_token * cfg.time_scale)
+            m.ttft.observe(time.monotonic() - arrival)
+            m.prompt_tokens.inc(prompt_tokens)
+            m.request_success["stop"].inc()
+            m.e2e.observe(time.monotonic() - arrival)
+        finally:
+            self._leave()
+
+
 async def _sleep(seconds: float) -> None:
     if seconds > 0:
         await asyncio.sleep(seconds)

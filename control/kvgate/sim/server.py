@@ -3,6 +3,7 @@
 Endpoints (shapes follow vLLM's ``vllm/entrypoints/openai/api_server.py``):
 
 * ``POST /v1/chat/completions``, ``POST /v1/completions``: JSON or SSE (``stream: true``).
+* ``POST /v1/embeddings``: OpenAI's embeddings (deterministic unit vectors, see :func:`embedding`).
 * ``GET /v1/models``, ``GET /health``, ``GET /health_generate``, ``GET /version``,
   ``POST /reset_prefix_cache``, ``GET /metrics`` (Prometheus text).
 * Probe endpoints other engines expose, so node discovery can ask any of them:
@@ -15,8 +16,13 @@ Every response carries ``X-Kvgate-Sim-Node: <node_id>``. Errors use the OpenAI b
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import json
+import math
+import random
+import struct
 import logging
 import threading
 import time
@@ -236,6 +242,92 @@ async def _run(request: web.Request, chat: bool) -> web.StreamResponse:
     return resp
 
 
+# ------------------------------------------------------------------------ embeddings
+EMBEDDING_DIMENSIONS = 384
+"""Length of a simulated embedding unless the request asks for ``dimensions`` (all-MiniLM-L6-v2's)."""
+MAX_EMBEDDING_DIMENSIONS = 4096
+
+
+def embedding(tokens: list[str], dimensions: int = EMBEDDING_DIMENSIONS) -> list[float]:
+    """A deterministic unit vector (L2 norm 1) of ``dimensions`` floats for one input's tokens:
+    Gaussian components seeded by ``sha256("\x00".join(tokens))``. The same input always gives
+    the same vector; different inputs give nearly orthogonal ones (no meaning is simulated)."""
+    seed = int.from_bytes(hashlib.sha256("\x00".join(tokens).encode("utf-8")).digest()[:8], "big")
+    rng = random.Random(seed)
+    v = [rng.gauss(0.0, 1.0) for _ in range(dimensions)]
+    norm = math.sqrt(sum(x * x for x in v)) or 1.0
+    return [x / norm for x in v]
+
+
+def _embedding_inputs(body: dict) -> list[list[str]]:
+    """The token lists of ``input`` (a string, [string], [int] or [[int]]); ApiError 400 otherwise."""
+    inp = body.get("input")
+    err = ApiError(400, "input must be a non-empty string, a list of strings, a list of token ids or a list of "
+                   "lists of token ids.", param="input")
+
+    def ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(inp, str):
+        out = [tokenize(inp)]
+    elif isinstance(inp, list) and inp and all(isinstance(x, str) for x in inp):
+        out = [tokenize(x) for x in inp]
+    elif ids(inp):
+        out = [[str(t) for t in inp]]
+    elif isinstance(inp, list) and inp and all(ids(x) for x in inp):
+        out = [[str(t) for t in x] for x in inp]
+    else:
+        raise err
+    if any(not tokens for tokens in out):
+        raise ApiError(400, "An input cannot be empty.", param="input")
+    return out
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """``POST /v1/embeddings``: ``{model, input, encoding_format?, dimensions?, user?}`` →
+    ``{"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model",
+    "usage": {"prompt_tokens", "total_tokens"}}``; ``embedding`` is a list of floats, or with
+    ``encoding_format: "base64"`` the base64 of its little-endian float32s (OpenAI's form).
+    Costs its prefill in the engine (:meth:`Engine.embed`)."""
+    app = request.app
+    engine = app[ENGINE_KEY]
+    try:
+        body = await _json_body(request)
+        served = engine.config.model
+        model = body.get("model") or served
+        if model != served:
+            raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        inputs = _embedding_inputs(body)
+        dims = _int_field(body, "dimensions", EMBEDDING_DIMENSIONS, 1)
+        assert dims is not None
+        if dims > MAX_EMBEDDING_DIMENSIONS:
+            raise ApiError(400, f"dimensions must be at most {MAX_EMBEDDING_DIMENSIONS}.", param="dimensions")
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise ApiError(400, "encoding_format must be 'float' or 'base64'.", param="encoding_format")
+        max_len = app[SETTINGS_KEY]["max_model_len"]
+        for tokens in inputs:
+            if len(tokens) > max_len:
+                raise ApiError(400, f"This model's maximum context length is {max_len} tokens. However, you "
+                               f"requested {len(tokens)} tokens in the input for embedding generation. Please "
+                               "reduce the length of the input.")
+    except ApiError as e:
+        return e.response()
+    total = sum(len(t) for t in inputs)
+    await engine.embed(total)
+    data = []
+    for i, tokens in enumerate(inputs):
+        vec = embedding(tokens, dims)
+        value: Any = vec
+        if fmt == "base64":
+            value = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode("ascii")
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    # usage last, as vLLM and OpenAI send it (the gateway reads it from the answer's end)
+    return web.json_response({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                              "model": engine.config.model, "data": data,
+                              "usage": {"prompt_tokens": total, "total_tokens": total}})
+
+
 # -------------------------------------------------------------------------- handlers
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _run(request, chat=True)
@@ -328,6 +420,7 @@ def create_app(config: SimulatorConfig, node_id: str = "sim", *, prefill_slots: 
     app.on_response_prepare.append(_node_header)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", empty_ok)
     app.router.add_get("/health_generate", empty_ok)
