@@ -277,3 +277,22 @@ def test_worker_killed_mid_batch_and_restarted(env):
     assert sends - in_flight <= engines <= sends
     assert sends == len(lines) + sum(int(v) - 1 for v in att.values())
     assert sends <= len(lines) + in_flight  # only the lines in flight at the kill ran again
+
+
+def test_cancel_lets_in_flight_finish_partial_output(env, worker):
+    for m in env.mocks:
+        m.set(stall_s=0.3)
+    lines = [chat_line(f"c{i}", f"question {i}", user=f"cu{i}") for i in range(30)]
+    bid = env.submit(lines)
+    P = records.run_prefix(bid)
+    deadline = time.monotonic() + 10
+    while env.r.hlen(P + "res") < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert records.transition(env.r, bid, records.CANCELLING, allowed_from=[records.IN_PROGRESS])
+    h = env.wait(bid, timeout=15)
+    assert h["status"] == records.CANCELLED
+    out = env.content(h, "output_file_id")
+    assert 3 <= len(out) < 30 and int(h["completed"]) == len(out) and h["total"] == "30"
+    assert len({o["custom_id"] for o in out}) == len(out)
+    time.sleep(0.5)
+    assert env.requests() == len(out)  # the lines in flight at the cancel finished; none started after
