@@ -56,6 +56,7 @@ local ngx = ngx
 local var = ngx.var
 local ipairs = ipairs
 local tostring = tostring
+local tonumber = tonumber
 local match = string.match
 local now = ngx.now
 local feed = usage.feed
@@ -186,7 +187,8 @@ function _M.log()
     local klog = kctx.log
     local hit = kctx.cache.outcome == "HIT"
     if hit or ngx.status == 200 then
-        klog.prompt, klog.completion, klog.cached = usage.read(klog, hit and kctx.cache.entry)
+        klog.prompt, klog.completion, klog.cached = usage.read(klog, hit and kctx.cache.entry,
+            kctx.req.endpoint == "embeddings")
     end
     local l = kctx.limit
     if l.buckets then
@@ -265,10 +267,23 @@ function _M.upstream_error()
     return ngx.exit(status)
 end
 
---- too_large(): content for nginx's own 413 (body over client_max_body_size)
+--- too_large(): content for nginx's own 413 (body over client_max_body_size: the location's
+-- $kvgate_body_limit where it sets one, e.g. /v1/files, else gateway.max_body_bytes)
 function _M.too_large()
-    return errors.send(413, "Request body is larger than " .. config.get().max_body_bytes .. " bytes",
-        "request_too_large")
+    local limit = tonumber(var.kvgate_body_limit) or config.get().max_body_bytes
+    return errors.send(413, "Request body is larger than " .. limit .. " bytes", "request_too_large")
+end
+
+--- control_unavailable(): content for a 502/504 of the Batch API's locations (/v1/files,
+-- /v1/batches): the control plane did not answer
+function _M.control_unavailable()
+    -- (not errors.send: a control plane that is down is no bad request of the client's)
+    ngx.status = 503
+    ngx.header["Content-Type"] = "application/json"
+    ngx.header["Retry-After"] = "5"
+    ngx.print(errors.body("The Batch API (the control plane) is not reachable right now; retry shortly.",
+        "control_plane_unavailable", nil, "server_error"))
+    return ngx.exit(503)
 end
 
 --- header_too_large(): content for nginx's own 494 (a header over large_client_header_buffers)
