@@ -266,7 +266,7 @@ local function skipped(reason)
 end
 
 --- log(cfg, c, endpoint): store a complete 200 response (never a partial one); endpoint
--- tells chat from completions when a stream is rebuilt
+-- ("chat" | "completions" | "embeddings") tells how a stream is rebuilt and what is whole
 function _M.log(cfg, c, endpoint)
     -- A client abort still runs the log phase with status 200 and a partial buffer:
     -- only a body that reached eof, from a node that answered 200, is stored.
@@ -300,8 +300,16 @@ function _M.log(cfg, c, endpoint)
         end
         value = body
     end
-    -- Only a whole answer is replayed: at least one choice, each ended by the engine.
-    local done, why = sse.finished(obj)
+    -- Only a whole answer is replayed: at least one choice, each ended by the engine (an
+    -- embedding: a list with at least one vector)
+    local done, why
+    if endpoint == "embeddings" then
+        local d = obj.data
+        done = type(d) == "table" and d[1] ~= nil
+        why = "no-data"
+    else
+        done, why = sse.finished(obj)
+    end
     if not done then
         skipped(why)
         return

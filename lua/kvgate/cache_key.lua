@@ -227,12 +227,16 @@ function _M.revalidate(cache_control)
 end
 
 --- cacheable(req, endpoint, cache_control) -> true | false, reason
--- Deterministic requests only: temperature == 0 or a seed; text only; no
--- `Cache-Control: no-store`. cache_control: nil, a string, or a list of strings (one
+-- Deterministic requests only: temperature == 0 or a seed (an embedding always is); text
+-- only; no `Cache-Control: no-store`. cache_control: nil, a string, or a list of strings (one
 -- per Cache-Control header, as ngx.req.get_headers() gives repeated headers).
 function _M.cacheable(req, endpoint, cache_control)
     if has_directive(cache_control, "no-store") then
         return false, "no-store"
+    end
+    if endpoint == "embeddings" then
+        -- an embedding is a function of its input (no sampling): always deterministic
+        return true
     end
     local seed = req.seed
     local seeded = type(seed) == "number"

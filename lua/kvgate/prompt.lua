@@ -3,6 +3,7 @@
 -- Layout: RS (0x1e) starts every message, US (0x1f) separates role from content:
 --   chat:        ["T" US <canonical JSON of tools>] then per message RS <role> US <content>
 --   completions: RS "P" US <prompt>   (per element when `prompt` is a list)
+--   embeddings:  the same, of `input`
 -- Roles and contents are escaped ("\\" -> "\\\\", RS -> "\\x1e", US -> "\\x1f"), so
 -- request data cannot forge a boundary, and no length is written ahead of a text,
 -- so two prompts whose texts share a prefix have canonical forms sharing a prefix
@@ -114,7 +115,7 @@ end
 
 --- canonical(req, endpoint, limit) -> prompt string, first_user_end, first_user_start
 -- (byte offsets of the first user message's text in the full canonical prompt; nil if
--- there is none). endpoint: "chat" or "completions"; limit (optional, bytes): the
+-- there is none). endpoint: "chat", "completions" or "embeddings"; limit (optional, bytes): the
 -- returned string is cut to `limit` bytes (texts past it are neither escaped nor
 -- copied) and messages after the window are read only until the first user message's
 -- offsets are known — the route key needs only its window, and conversations grow long.
@@ -165,6 +166,9 @@ function _M.canonical(req, endpoint, limit)
         end
     else
         local p = req.prompt
+        if endpoint == "embeddings" then
+            p = req.input
+        end
         if type(p) == "string" then
             out[1] = RS .. "P" .. US .. esc_prefix(p, limit - 3)
         elseif type(p) == "table" then

@@ -355,8 +355,90 @@ local function check_prompt(req)
     return true
 end
 
+local INPUT = "a string, an array of strings, an array of integers or an array of arrays of integers"
+local ENCODINGS = { float = true, base64 = true }
+
+-- check_embeddings(req): OpenAI's /v1/embeddings body: `input` (string | [string] | [int] |
+-- [[int]], non-empty), `encoding_format` ("float" | "base64"), `dimensions` (integer >= 1),
+-- `user` (string); no `stream` (an embedding is one JSON answer). Other fields: the engine's.
+local function check_embeddings(req)
+    local input = req.input
+    if input == nil or input == null then
+        return missing("input")
+    end
+    local t = type(input)
+    if t == "string" then
+        if input == "" then
+            return nil, "Invalid 'input': empty string. Expected a non-empty string.", "input", "invalid_value"
+        end
+    elseif t ~= "table" then
+        return bad_type("input", INPUT, input)
+    else
+        local first = input[1]
+        if first == nil then
+            if next(input) == nil then
+                return empty("input")
+            end
+            return bad_type("input", INPUT, input)
+        end
+        local ft = type(first)
+        if ft == "string" then
+            for k = 1, #input do
+                if type(input[k]) ~= "string" then
+                    return bad_type("input[" .. (k - 1) .. "]", "a string (like input[0])", input[k])
+                end
+            end
+        elseif ft == "number" then
+            local ok, err, param, code = check_tokens(input, "input")
+            if not ok then
+                return nil, err, param, code
+            end
+        elseif ft == "table" then
+            for k = 1, #input do
+                local list = input[k]
+                local param = "input[" .. (k - 1) .. "]"
+                if type(list) ~= "table" or (list[1] == nil and next(list) ~= nil) then
+                    return bad_type(param, "an array of integers (like input[0])", list)
+                end
+                if list[1] == nil then
+                    return empty(param)
+                end
+                local ok, err, eparam, code = check_tokens(list, param)
+                if not ok then
+                    return nil, err, eparam, code
+                end
+            end
+        else
+            return bad_type("input[0]", "a string, an integer or an array of integers", first)
+        end
+    end
+    local ef = req.encoding_format
+    if ef ~= nil and ef ~= null and not ENCODINGS[ef] then
+        if type(ef) ~= "string" then
+            return bad_type("encoding_format", "a string", ef)
+        end
+        return nil, "Invalid value for 'encoding_format': expected one of 'float', 'base64'.", "encoding_format",
+            "invalid_value"
+    end
+    local dims = req.dimensions
+    if dims ~= nil and dims ~= null and not (type(dims) == "number" and dims >= 1 and dims == floor(dims)) then
+        if type(dims) ~= "number" then
+            return bad_type("dimensions", "an integer", dims)
+        end
+        return nil, "Invalid value for 'dimensions': expected an integer >= 1.", "dimensions", "invalid_value"
+    end
+    local user = req.user
+    if user ~= nil and user ~= null and type(user) ~= "string" then
+        return bad_type("user", "a string", user)
+    end
+    if req.stream == true then
+        return nil, "Embeddings are not streamed: 'stream' must be false or absent.", "stream", "invalid_value"
+    end
+    return true
+end
+
 --- validate(req, endpoint) -> true | nil, message, param, code
--- req: the decoded body (a table); endpoint: "chat" | "completions".
+-- req: the decoded body (a table); endpoint: "chat" | "completions" | "embeddings".
 function _M.validate(req, endpoint)
     local model = req.model
     if type(model) ~= "string" or model == "" then
@@ -382,6 +464,9 @@ function _M.validate(req, endpoint)
     end
     if endpoint == "chat" then
         return check_messages(req)
+    end
+    if endpoint == "embeddings" then
+        return check_embeddings(req)
     end
     return check_prompt(req)
 end

@@ -144,7 +144,7 @@ local function has_prompt(req, endpoint)
         end
         return false
     end
-    local p = req.prompt
+    local p = endpoint == "embeddings" and req.input or req.prompt
     return type(p) == "string" or (type(p) == "table" and #p > 0)
 end
 

@@ -84,11 +84,13 @@ function _M.tail(u)
     return sub(prev, n - TAIL_BYTES) .. cur
 end
 
---- parse(s) -> prompt, completion, cached: the last `usage` object's prompt_tokens,
--- completion_tokens and prompt_tokens_details.cached_tokens in s (an answer's end: JSON or
--- SSE); nil, nil, nil without one (`"usage": null`, or none); cached 0 when the usage has no
--- details. A quote inside a JSON string is escaped, so `"usage"` only matches a member name.
-function _M.parse(s)
+--- parse(s[, no_completion]) -> prompt, completion, cached: the last `usage` object's
+-- prompt_tokens, completion_tokens and prompt_tokens_details.cached_tokens in s (an answer's
+-- end: JSON or SSE); nil, nil, nil without one (`"usage": null`, or none); cached 0 when the
+-- usage has no details. A quote inside a JSON string is escaped, so `"usage"` only matches a
+-- member name. no_completion: an answer that generates nothing (an embedding: usage
+-- {prompt_tokens, total_tokens}): a missing completion_tokens is 0.
+function _M.parse(s, no_completion)
     if not s then
         return nil
     end
@@ -111,6 +113,9 @@ function _M.parse(s)
     end
     local p = match(u, '"prompt_tokens"%s*:%s*(%d+)')
     local c = match(u, '"completion_tokens"%s*:%s*(%d+)')
+    if not c and no_completion then
+        c = 0
+    end
     if not (p and c) then
         return nil
     end
@@ -118,18 +123,19 @@ function _M.parse(s)
     return tonumber(p), tonumber(c), tonumber(cached) or 0
 end
 
---- read(u, hit_entry) -> prompt, completion, cached: of a cache HIT's entry (the stored JSON;
--- cached is then 0: no engine computed it) or of the answer fed into u; nil when unknown
-function _M.read(u, hit_entry)
+--- read(u, hit_entry[, no_completion]) -> prompt, completion, cached: of a cache HIT's entry
+-- (the stored JSON; cached is then 0: no engine computed it) or of the answer fed into u; nil
+-- when unknown. no_completion: as for parse (an embedding)
+function _M.read(u, hit_entry, no_completion)
     if hit_entry then
         local n = #hit_entry
-        local p, c = _M.parse(n > TAIL_BYTES and sub(hit_entry, -TAIL_BYTES) or hit_entry)
+        local p, c = _M.parse(n > TAIL_BYTES and sub(hit_entry, -TAIL_BYTES) or hit_entry, no_completion)
         if p then
             return p, c, 0
         end
         return nil
     end
-    return _M.parse(_M.tail(u))
+    return _M.parse(_M.tail(u), no_completion)
 end
 
 --- costs(prices, prompt, completion, cached, hit, batch) -> cost, saved_cache, saved_prefix,

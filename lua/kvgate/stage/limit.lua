@@ -69,7 +69,9 @@ function _M.access(kctx, cfg)
     local r = kctx.req
     local req = r.parsed
     local mt = req.max_completion_tokens or req.max_tokens
-    if type(mt) ~= "number" or mt < 1 then
+    if r.endpoint == "embeddings" then
+        mt = 0 -- an embedding generates no token
+    elseif type(mt) ~= "number" or mt < 1 then
         mt = cfg.limits.default_max_tokens
     end
     local n = req.n

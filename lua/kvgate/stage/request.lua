@@ -1,7 +1,7 @@
 -- Stage "request" (access, first): method, Content-Type, the body (read under an idle timeout
 -- and a deadline), its JSON and shape (kvgate.request), the model's pool. A request this
 -- stage refuses is answered here (OpenAI's error format) and reaches no other stage.
---   kctx.req   = {endpoint = "chat"|"completions", body = raw body, parsed = decoded table}
+--   kctx.req   = {endpoint = "chat"|"completions"|"embeddings", body = raw body, parsed = decoded table}
 --   kctx.route = {pool = pool name, pool_cfg = the pool of kvgate.json, endpoint}
 local errors = require "kvgate.errors"
 local body_reader = require "kvgate.body"
@@ -19,6 +19,7 @@ local _M = {}
 _M.ENDPOINTS = {
     ["/v1/chat/completions"] = "chat",
     ["/v1/completions"] = "completions",
+    ["/v1/embeddings"] = "embeddings",
 }
 local ENDPOINTS = _M.ENDPOINTS
 
@@ -37,7 +38,7 @@ end
 --- access(kctx, cfg): validate; answers (and ends the request) when the request is refused
 function _M.access(kctx, cfg)
     local uri = var.uri
-    -- the location regex admits only these two URIs
+    -- the location regex admits only these URIs
     local endpoint = ENDPOINTS[uri]
     if get_method() ~= "POST" then
         ngx.header["Allow"] = "POST"
