@@ -50,7 +50,10 @@ def create_app(services: Any, token: str, config: Mapping[str, Any] | None = Non
     from .state import WebState
 
     app = Flask("kvgate.web")
-    app.config.update({"JSON_SORT_KEYS": False, "MAX_CONTENT_LENGTH": MAX_CONTENT_BYTES, **auth.defaults(token)})
+    app.config.update({"MAX_CONTENT_LENGTH": MAX_CONTENT_BYTES, **auth.defaults(token)})
+    # objects keep their field order (OpenAI's objects are documented in order); Flask 2.3+
+    # ignores the old JSON_SORT_KEYS setting, this is its replacement
+    app.json.sort_keys = False
     app.config.from_prefixed_env("KVGATE_WEB")
     if config:
         app.config.update(config)
