@@ -320,3 +320,23 @@ def test_runtime_document_shape() -> None:
     # one text per document: sorted keys, compact
     assert runtime_json(doc) == runtime_json(json.loads(runtime_json(doc)))
     assert json.loads(runtime_json(doc)) == doc and " " not in runtime_json(doc)
+
+
+def test_batch_secret_and_the_batch_api_routes(tmp_path: Path) -> None:
+    """kvgate.json carries the batch principal's key ("" by default: refused); nginx.conf sends
+    /v1/files* and /v1/batches* to control.listen (a wildcard host as loopback); Nginx writes
+    kvgate.json readable by its owner only."""
+    p = load_policy(DEMO)
+    assert json.loads(render(p, default_lua_dir())["conf/kvgate.json"])["batch_secret"] == ""
+    files = render(p, default_lua_dir(), batch_secret="ab" * 32)
+    assert json.loads(files["conf/kvgate.json"])["batch_secret"] == "ab" * 32
+    conf = files["conf/nginx.conf"]
+    assert f"proxy_pass http://{p.control.listen};" in conf
+    assert "location ~ ^/v1/files(/|$)" in conf and "location ~ ^/v1/batches(/|$)" in conf
+    assert "location ~ ^/v1/((chat/)?completions|embeddings)$" in conf
+    wild = p.model_copy(update={"control": p.control.model_copy(update={"listen": "0.0.0.0:9999"})})
+    assert "proxy_pass http://127.0.0.1:9999;" in render(wild, default_lua_dir())["conf/nginx.conf"]
+    nginx = Nginx(tmp_path / "prefix", batch_secret="cd" * 32)
+    nginx.test(nginx.render(p))
+    nginx._install(nginx.render(p))
+    assert (nginx.prefix / "conf/kvgate.json").stat().st_mode & 0o777 == 0o600
