@@ -474,18 +474,21 @@ class Stack:
         Returns ``started``, ``running`` or ``restarted``."""
         return self._keep_or_spawn(f"agent-{node.id}", self.agent_command(policy, node))
 
-    def batch_worker_command(self, policy_path: Path) -> list[str]:
+    def batch_worker_command(self, policy_path: Path, policy: Policy | None = None) -> list[str]:
         """The ``kvgate batch-worker`` command line of this run directory (it re-reads the
-        policy file when it changes)."""
-        return [sys.executable, "-m", "kvgate", "--run-dir", str(self.run_dir), "batch-worker",
-                "--policy", str(Path(policy_path).resolve()), "--token-file", str(self.token_file)]
+        policy file when it changes; ``--metrics-listen`` from ``batch.metrics_listen``)."""
+        cmd = [sys.executable, "-m", "kvgate", "--run-dir", str(self.run_dir), "batch-worker",
+               "--policy", str(Path(policy_path).resolve()), "--token-file", str(self.token_file)]
+        if policy is not None and policy.batch.metrics_listen:
+            cmd += ["--metrics-listen", policy.batch.metrics_listen]
+        return cmd
 
     def start_batch_worker(self, policy_path: Path, policy: Policy) -> str:
         """Start (or keep) one batch worker when ``batch.enabled``, else stop a running one.
         Returns ``started``, ``running``, ``restarted``, ``stopped`` or ``disabled``."""
         if not policy.batch.enabled:
             return "stopped" if self._stop_pid("batch-worker") else "disabled"
-        return self._keep_or_spawn("batch-worker", self.batch_worker_command(policy_path))
+        return self._keep_or_spawn("batch-worker", self.batch_worker_command(policy_path, policy))
 
     def _per_node(self, kind: str, nodes: list[NodeConfig], start, echo, started: list[str],
                   stop_others: bool = True) -> None:

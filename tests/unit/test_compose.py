@@ -174,7 +174,8 @@ def volume_mounts(service: str) -> dict[str, tuple[str, bool]]:
 def test_compose_file_is_a_compose_spec_file() -> None:
     assert not UNESCAPED, f"compose would substitute these `$` (mostly with nothing): write $$ in {UNESCAPED}"
     assert "version" not in COMPOSE, "the compose spec has no `version:` key (compose warns that it is obsolete)"
-    expected = {"redis", "gateway", "control"} | {f"engine-{n}" for n in NODE_IDS} | {f"agent-{n}" for n in NODE_IDS}
+    expected = {"redis", "gateway", "control", "batch-worker"} | {f"engine-{n}" for n in NODE_IDS} \
+        | {f"agent-{n}" for n in NODE_IDS}
     assert set(SERVICES) == expected
     declared = set(COMPOSE.get("volumes") or {})
     for name, svc in SERVICES.items():
@@ -461,3 +462,20 @@ def test_compose_policy_renders_where_the_service_names_resolve(monkeypatch: pyt
         assert {"id": node.id, "peer": peer}.items() <= next(
             n for n in data["pools"][POLICY.pools[0].name]["nodes"] if n["id"] == node.id).items()
     assert data["redis"]["host"] == addresses["redis"]
+
+
+def test_batch_worker_runs_the_compose_policy_through_the_gateway() -> None:
+    """The Batch API's worker: in the gateway's network namespace (it sends lines to the
+    policy's gateway.listen there), the compose policy, the admin token and the run dir's data/
+    (shared, writable, with the control plane) from the run-dir volume."""
+    svc = SERVICES["batch-worker"]
+    assert svc["network_mode"] == "service:gateway"
+    cmd = svc["command"]
+    i = cmd.index("batch-worker")
+    opts = dict(zip(cmd[i + 1::2], cmd[i + 2::2]))
+    assert opts["--policy"] == f"{IMAGE_ROOT}/policies/compose.yaml"
+    assert opts["--token-file"] == "/var/lib/kvgate/run/admin.token"
+    assert cmd[cmd.index("--run-dir") + 1] == "/var/lib/kvgate/run"
+    mounts = {v.split(":")[1]: v for v in svc["volumes"]}
+    assert mounts["/var/lib/kvgate/run"] == "run-dir:/var/lib/kvgate/run"  # writable: output files
+    assert POLICY.batch.enabled and POLICY.batch.data_dir is None  # → <run dir>/data, on that volume

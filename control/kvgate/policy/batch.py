@@ -67,6 +67,17 @@ class BatchConfig(_Strict):
                                    description="How often an idle worker looks for work.")
     file_retention_days: int = Field(30, ge=1, le=3660,
                                      description="Days uploaded and produced files are kept (`expires_at`).")
+    metrics_listen: str | None = Field(
+        None, description="HOST:PORT the batch worker `kvgate up` starts serves its `/metrics` on "
+        "(`kvgate_batch_*`: lines by result, lines in flight, concurrency, group sizes); null: none.")
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _check_metrics_listen(cls, v: str | None) -> str | None:
+        if v is not None:
+            from ..addr import split_host_port
+            split_host_port(v)
+        return v
 
     @field_validator("completion_windows")
     @classmethod
