@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import io
 import json
-import threading
+import os
+import signal
 import time
 
 import openai
@@ -30,7 +31,7 @@ tenants:
   - {id: default}
   - {id: fruit-a, name: Fruit A}
   - {id: fruit-b, name: Fruit B}
-batch: {max_in_flight: 8, max_in_flight_per_node: 4, poll_interval_s: 0.2, retry_backoff_s: 0.2,
+batch: {max_in_flight: 8, max_in_flight_per_node: 4, poll_interval_s: 0.2, retry_backoff_s: 0.2, lease_s: 2,
         completion_windows: ["24h", "1h"]}
 """
 PRICES = """
@@ -183,3 +184,32 @@ def test_cancel_in_flight_keeps_finished_lines(stack):
     out = jsonl(c.files.content(b.output_file_id).text) if b.output_file_id else []
     assert len(out) == b.request_counts.completed
     assert len({x["custom_id"] for x in out}) == len(out)
+
+
+def test_worker_and_control_plane_killed_mid_batch_nothing_runs_twice(stack):
+    """SIGKILL the batch worker and the control plane mid-batch, restart them with `kvgate up`:
+    the batch completes, every custom_id once, and the engines answered exactly one request per
+    line (a line in flight at the kill was aborted at the engine, never counted; one whose answer
+    was lost with the worker is answered again by the response cache, not by an engine)."""
+    c = client(stack, "fruit-a")
+    lines = [line(f"crash-{i}", f"a long report, part {i}", max_tokens=300) for i in range(30)]
+    nodes = sorted(stack.node_ports)
+    before = sum(stack.engine_counter(n) for n in nodes)
+    b = c.batches.create(input_file_id=upload(c, lines).id, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    wait_until(lambda: c.batches.retrieve(b.id).request_counts.completed >= 5, "five lines done", timeout=30)
+    for name in ("batch-worker", "control"):
+        os.kill(int((stack.run_dir / "pids" / f"{name}.pid").read_text()), signal.SIGKILL)
+    import redis as redis_lib
+    done_at_kill = int(redis_lib.Redis(port=stack.redis_port).hget(f"kvgate:batch:b:{b.id}", "completed"))
+    assert 5 <= done_at_kill < 30, "the kill must land mid-batch"
+    up = stack.kvgate("up", str(stack.policy_path))
+    assert up.returncode == 0, up.stdout + up.stderr
+    b = run_to_end(c, b.id, timeout=90)
+    assert b.status == "completed", b
+    assert (b.request_counts.completed, b.request_counts.failed) == (30, 0)
+    out = jsonl(c.files.content(b.output_file_id).text)
+    assert sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
+    wait_until(lambda: sum(stack.engine_counter(n) for n in nodes) - before >= 30, "the engines' counters")
+    time.sleep(0.5)
+    assert sum(stack.engine_counter(n) for n in nodes) - before == 30

@@ -59,13 +59,14 @@ class _PolicyFile:
 @click.option("--metrics-listen", default=None, help="HOST:PORT to serve this worker's /metrics on [default: none].")
 @click.option("--worker-id", default=None, help="A name for this worker in logs and locks [default: host-pid-random].")
 @click.option("--until-idle", is_flag=True, help="Exit once no batch is open (scripts, tests).")
-@click.option("--lease-s", type=click.FloatRange(0.5, 3600), default=30.0, show_default=True,
-              help="Lease of a claimed line: a worker that dies holding lines gives them back after this.")
+@click.option("--lease-s", type=click.FloatRange(0.5, 3600), default=None,
+              help="Lease of a claimed line: a worker that dies holding lines gives them back after this "
+              "[default: the policy's batch.lease_s].")
 @click.pass_context
 def batch_worker_command(ctx: click.Context, policy_path: Path, token: str | None, token_file: Path | None,
                          data_dir: Path | None, redis_url: str | None, gateway_url: str | None,
                          metrics_listen: str | None, worker_id: str | None, until_idle: bool,
-                         lease_s: float) -> None:
+                         lease_s: float | None) -> None:
     """Run batch lines through the gateway, prefix-grouped, on the capacity live traffic leaves.
 
     Picks up the batches the Batch API creates (kvgate:batch:open in Redis), validates their
@@ -125,7 +126,7 @@ def batch_worker_command(ctx: click.Context, policy_path: Path, token: str | Non
 
     runner = Runner(policy_file, r, FileStore(data, r, retention_days=policy.batch.file_retention_days), token,
                     worker_id=worker_id, gateway_url=gateway_url, metrics=metrics, weights=weights,
-                    lease_s=lease_s)
+                    lease_s=lease_s if lease_s is not None else policy.batch.lease_s)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

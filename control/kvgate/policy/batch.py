@@ -63,6 +63,10 @@ class BatchConfig(_Strict):
                                    description="Wait before the first retry of a line, doubled at each further try.")
     request_timeout_s: float = Field(300.0, gt=0, le=86400,
                                      description="Longest one line's request may take through the gateway.")
+    lease_s: float = Field(30.0, ge=0.5, le=3600,
+                           description="A claimed line's lease: a worker that dies holding lines gives them back "
+                           "to the other workers (or to itself, restarted) after this long. Longer than a line's "
+                           "usual time is not needed: a live worker renews its leases every third of it.")
     poll_interval_s: float = Field(0.5, gt=0, le=60,
                                    description="How often an idle worker looks for work.")
     file_retention_days: int = Field(30, ge=1, le=3660,
