@@ -387,9 +387,10 @@ def data_config(policy: Policy, push_secret_sha256: str = "", batch_secret: str 
     }
 
 
-FILES_MAX_BODY_BYTES = 201 * 1024 * 1024
-"""``client_max_body_size`` of the client listener's ``/v1/files``: OpenAI's 200 MB file limit plus
-1 MiB for the multipart framing (the control plane checks the file's own size)."""
+MULTIPART_SLACK_BYTES = 1024 * 1024
+"""``client_max_body_size`` of the client listener's ``/v1/files`` is the policy's
+``batch.max_file_bytes`` (OpenAI's 200 MB by default) plus this much for the multipart framing
+(the control plane checks the file's own size)."""
 
 
 STREAM_CUT_MARGIN_S = 1.0
@@ -494,7 +495,7 @@ def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None, *,
     conf = _env().get_template("nginx.conf.j2").render(
         gw=gw,
         control_addr=connect_address(policy.control.listen),
-        files_max_body_bytes=FILES_MAX_BODY_BYTES,
+        files_max_body_bytes=policy.batch.max_file_bytes + MULTIPART_SLACK_BYTES,
         public_metrics=policy.public_metrics,
         pools=upstream_pools(policy),
         lua_dir=str(lua_dir),

@@ -19,7 +19,7 @@ import requests
 
 from gwfixtures import Gateway, _start_gateway, _start_redis, free_port, make_policy
 from kvgate.policy.loader import parse_policy
-from kvgate.render import FILES_MAX_BODY_BYTES
+from kvgate.render import MULTIPART_SLACK_BYTES
 
 pytestmark = pytest.mark.integration
 
@@ -102,6 +102,7 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway,
         data["gateway"]["auth"] = "required"
         data["tenants"] = [{"id": "t1"}]
         data["control"] = {"listen": f"127.0.0.1:{port}"}
+        data["batch"] = {"max_file_bytes": MAX_FILE_BYTES}
         gw = _start_gateway(base, parse_policy(data, "proxy-policy"), [], redis)
         stack.callback(gw.stop)
         fake = FakeControl(port)
@@ -149,6 +150,9 @@ def test_requests_pass_through_with_their_key_and_a_request_id(proxied):
         fake.stop()
 
 
+MAX_FILE_BYTES = 64 * 1024 * 1024
+
+
 def _declared(gw: Gateway, path: str, length: int) -> tuple[int, dict]:
     host, port = gw.listen.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
@@ -163,11 +167,12 @@ def _declared(gw: Gateway, path: str, length: int) -> tuple[int, dict]:
         conn.close()
 
 
-def test_size_limits_201_mib_for_files_1_mib_for_batches(proxied):
+def test_size_limits_the_policys_file_limit_for_files_1_mib_for_batches(proxied):
     gw, _ = proxied
-    status, body = _declared(gw, "/v1/files", FILES_MAX_BODY_BYTES + 1)
+    limit = MAX_FILE_BYTES + MULTIPART_SLACK_BYTES  # batch.max_file_bytes + the multipart framing
+    status, body = _declared(gw, "/v1/files", limit + 1)
     assert status == 413 and body["error"]["code"] == "request_too_large"
-    assert str(FILES_MAX_BODY_BYTES) in body["error"]["message"]
+    assert str(limit) in body["error"]["message"]
     status, body = _declared(gw, "/v1/batches", 2 * 1024 * 1024)
     assert status == 413 and "1048576" in body["error"]["message"]
 
