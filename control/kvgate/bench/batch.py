@@ -46,7 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..policy.loader import PolicyError
-from .replay import ReplayError, _percentile, reset_prefix_caches, scrape_engine, send_trace, wait_engines_idle
+from .replay import ReplayError, _percentile, reset_prefix_caches, send_trace, wait_engines_idle
 from .trace import load_trace
 
 PROMPT = "vllm:prompt_tokens_total"
@@ -79,13 +79,25 @@ def make_lines(*, docs: int, questions: int, doc_tokens: int, max_tokens: int, m
     return lines
 
 
-def engine_totals(nodes) -> dict[str, float]:
-    """Σ over the engines of the prompt, prefix-hit and success counters."""
+def engine_totals(nodes, timeout: float = 5.0) -> dict[str, float]:
+    """Σ over the engines (every label set) of the prompt, prefix-hit and success counters.
+
+    Raises:
+        ReplayError: an engine's /metrics does not answer or parse.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = dict.fromkeys((PROMPT, HITS, SUCCESS), 0.0)
     for n in nodes:
-        s = scrape_engine(n)
-        for k in out:
-            out[k] += s.get(k, 0.0)
+        try:
+            resp = requests.get(f"{n.url}/metrics", timeout=timeout)
+            resp.raise_for_status()
+            for family in text_string_to_metric_families(resp.text):
+                for sample in family.samples:
+                    if sample.name in out:
+                        out[sample.name] += sample.value
+        except (requests.RequestException, ValueError) as exc:
+            raise ReplayError(f"node {n.id}: cannot read {n.url}/metrics: {exc}") from None
     return out
 
 
@@ -283,12 +295,13 @@ def batch_command(ctx: click.Context, docs: int, questions: int, doc_tokens: int
         table.add_row(fig.name, str(fig.ok), str(fig.failed), f"{fig.engine_requests:.0f}",
                       f"{fig.prompt_tokens:,.0f}", f"{fig.cached_tokens:,.0f}", f"{fig.prefill_tokens:,.0f}",
                       "—" if fig is batch_run else f"{ratio:.3f}", f"{fig.wall_s:.1f}")
-    Console().print(table)
+    out_console = Console(width=None if sys.stdout.isatty() else 150)
+    out_console.print(table)
     for fig in runs:
         for note in fig.notes:
             console.print(f"[yellow]{fig.name}: {note}[/]")
     if live:
-        Console().print(f"live traffic ({live['requests']} trace requests): TTFT p99 {live['alone_p99_s']:.3f} s "
+        out_console.print(f"live traffic ({live['requests']} trace requests): TTFT p99 {live['alone_p99_s']:.3f} s "
                         f"alone, {live['with_batch_p99_s']:.3f} s with a batch running "
                         f"(x{live['ratio']:.2f}; the batch {live['batch_status']} "
                         f"{live['batch_completed']}/{live['batch_total']} lines, "
