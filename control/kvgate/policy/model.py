@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from .batch import BatchConfig
+from .semantic import PoolSemanticConfig, SemanticServiceConfig
 from .pricing import PricesConfig, UsageConfig
 
 AffinityKey = Literal["session", "user", "prefix"]
@@ -542,6 +543,7 @@ class PoolConfig(_Strict):
     failover: FailoverConfig = Field(default_factory=FailoverConfig)
     prices: PricesConfig | None = Field(
         None, description="What the pool's tokens cost (docs/costs.md); omitted: tokens are counted, money is not.")
+    semantic: PoolSemanticConfig = Field(default_factory=PoolSemanticConfig)
 
     @field_validator("name")
     @classmethod
@@ -803,6 +805,7 @@ class Policy(_Strict):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     usage: UsageConfig = Field(default_factory=UsageConfig)
     batch: BatchConfig = Field(default_factory=BatchConfig)
+    semantic_service: SemanticServiceConfig = Field(default_factory=SemanticServiceConfig)
     tenants: list[TenantConfig] = Field(
         default_factory=list, description="Tenants (with `gateway.auth` optional or required); "
         "`optional` needs one with id `default`.",

