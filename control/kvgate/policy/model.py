@@ -242,6 +242,11 @@ class CacheConfig(_Strict):
     namespace_version: int = Field(
         1, ge=1, description="Part of every cache key: bump it to invalidate the whole cache at once."
     )
+    single_flight_wait_s: float = Field(
+        10.0, ge=0, le=600,
+        description="Single flight: identical cacheable requests (same exact key) that miss while the first is "
+        "still computed wait up to this long (seconds) for its answer instead of each going to an engine, across "
+        "workers and gateways (a lock key in Redis); past it they go to an engine themselves. 0: off.")
     credential_headers: list[str] = Field(
         default_factory=lambda: ["Authorization", "api-key", "x-api-key"],
         min_length=1, max_length=16,
