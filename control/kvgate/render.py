@@ -369,6 +369,8 @@ def data_config(policy: Policy, push_secret_sha256: str = "", batch_secret: str 
             "enabled": policy.cache.enabled,
             "ttl_s": policy.cache.ttl_s,
             "max_entry_bytes": policy.cache.max_entry_bytes,
+            # single flight (lua/kvgate/flight.lua): how long a duplicate miss waits; 0 = off
+            "single_flight_wait_ms": round(policy.cache.single_flight_wait_s * 1000),
             "namespace_version": policy.cache.namespace_version,  # default only (runtime.json)
             # lowercase, in the policy's order: ngx.req.get_headers() keys are lowercase (the
             # names also enter the credential digest, so the policy's spelling does not)

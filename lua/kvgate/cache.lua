@@ -20,6 +20,7 @@ local sse = require "kvgate.sse"
 local kredis = require "kvgate.redis"
 local metrics = require "kvgate.metrics"
 local config = require "kvgate.config"
+local flight = require "kvgate.flight"
 
 local keys = require "kvgate.keys"
 local klog = require "kvgate.log"
@@ -97,7 +98,23 @@ function _M.lookup(cfg, c, req, endpoint, headers, scope)
         c.key = key
         return nil
     end
-    local v, err = kredis.get_batched(cfg.redis, key)
+    local wait_ms = ccfg.single_flight_wait_ms or 0
+    if wait_ms > 0 and req.stream == true then
+        -- a stream is stored only with its usage (stream_options.include_usage): one without it
+        -- never leaves an entry to wait for, so its duplicates would take turns at the lock
+        local so = req.stream_options
+        if not (type(so) == "table" and so.include_usage == true) then
+            wait_ms = 0
+        end
+    end
+    local v, err, how
+    if wait_ms > 0 then
+        -- the GET and, on a miss, the key's flight lock in one script (kvgate.flight)
+        v, how = flight.lookup(cfg.redis, key, wait_ms)
+        err = how
+    else
+        v, err = kredis.get_batched(cfg.redis, key)
+    end
     if v == nil then
         cache_error("get", err)
         c.reason = "redis-error"
@@ -105,10 +122,18 @@ function _M.lookup(cfg, c, req, endpoint, headers, scope)
     end
     if v then
         c.outcome = "HIT"
+        if how == "flight" then
+            c.reason = "flight"
+        end
         return v
     end
     c.outcome = "MISS"
     c.key = key
+    if how == "leader" or how == "takeover" then
+        c.leader = true
+    elseif how == "timeout" then
+        c.reason = "flight-timeout"
+    end
     return nil
 end
 
@@ -214,6 +239,16 @@ local function flush(premature, rcfg)
         local w = batch[i]
         cmds[i] = { "set", w[1], w[2], "EX", w[3] }
     end
+    -- the flight locks of the leaders among them (kvgate.flight): after their entries, in the same
+    -- pipeline, so a waiting duplicate finds the entry before the lock is gone
+    local ncmds = n
+    for i = 1, n do
+        local w = batch[i]
+        if w[4] then
+            ncmds = ncmds + 1
+            cmds[ncmds] = { "del", flight.lock_key(w[1]) }
+        end
+    end
     local replies, err = kredis.pipeline(rcfg, cmds)
     if not replies then
         cache_error("set", err, n)
@@ -237,14 +272,15 @@ local function flush(premature, rcfg)
     end
 end
 
--- write(rcfg, key, value, ttl): queue a store for this worker's next flush
-local function write(rcfg, key, value, ttl)
+-- write(rcfg, key, value, ttl, leader): queue a store for this worker's next flush (leader:
+-- the key's flight lock goes with it)
+local function write(rcfg, key, value, ttl, leader)
     if npending >= MAX_PENDING then
         cache_error("timer", "too many stores waiting for Redis")
         return
     end
     npending = npending + 1
-    pending[npending] = { key, value, ttl }
+    pending[npending] = { key, value, ttl, leader }
     if not scheduled then
         local ok, err = ngx.timer.at(0, flush, rcfg)
         if not ok then
@@ -255,6 +291,7 @@ local function write(rcfg, key, value, ttl)
         end
         scheduled = true
     end
+    return true
 end
 
 local function last_status(s)
@@ -265,9 +302,8 @@ local function skipped(reason)
     metrics.incr(M.cache_store_skipped, { reason = reason })
 end
 
---- log(cfg, c, endpoint): store a complete 200 response (never a partial one); endpoint
--- ("chat" | "completions" | "embeddings") tells how a stream is rebuilt and what is whole
-function _M.log(cfg, c, endpoint)
+-- store(cfg, c, endpoint) -> true when the answer was queued for Redis
+local function store(cfg, c, endpoint)
     -- A client abort still runs the log phase with status 200 and a partial buffer:
     -- only a body that reached eof, from a node that answered 200, is stored.
     if not (c.capture and c.eof and ngx.status == 200) then
@@ -325,7 +361,16 @@ function _M.log(cfg, c, endpoint)
         skipped("too-large")
         return
     end
-    write(cfg.redis, c.key, value, cfg.cache.ttl_s)
+    return write(cfg.redis, c.key, value, cfg.cache.ttl_s, c.leader)
+end
+
+--- log(cfg, c, endpoint): store a complete 200 response (never a partial one); endpoint
+-- ("chat" | "completions" | "embeddings") tells how a stream is rebuilt and what is whole.
+-- A single-flight leader (c.leader) that stores nothing releases its lock (kvgate.flight).
+function _M.log(cfg, c, endpoint)
+    if not store(cfg, c, endpoint) and c.leader then
+        flight.release(cfg.redis, c.key)
+    end
 end
 
 return _M

@@ -211,6 +211,7 @@ function _M.log()
         local entry = stage_log.entry(kctx, "", status, "BYPASS", addr, config.get())
         warm.log(kctx, entry, status)
         stage_log.record(entry)
+        cache.log(config.get(), kctx.cache, kctx.req.endpoint) -- a single-flight leader's lock goes
         return
     end
     local rejected = kctx.req.rejected
