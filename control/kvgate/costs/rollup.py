@@ -111,6 +111,11 @@ def _hour(fields: Mapping[str, str], entry_id: str) -> int:
     return int(ts // 3600) * 3600
 
 
+HIT_OUTCOMES = frozenset({"HIT", "SEMANTIC", "STATIC"})
+"""The request log's ``cache`` values of answers no engine computed: an exact hit, a semantic one
+(a paraphrase's cached answer) and a static answer (issue 15); all credited as the cache lever."""
+
+
 def entry_counts(fields: Mapping[str, str], rr_cached: int | None = None) -> dict[str, int]:
     """One request-log entry's increments (non-zero fields of :data:`FIELDS`); see the module.
 
@@ -121,7 +126,7 @@ def entry_counts(fields: Mapping[str, str], rr_cached: int | None = None) -> dic
     out: dict[str, int] = {"requests": 1}
     status = _int(fields.get("status")) or 0
     ok = 200 <= status < 300
-    hit = fields.get("cache") == "HIT"
+    hit = fields.get("cache") in HIT_OUTCOMES
     add = out.__setitem__
     if ok:
         add("ok", 1)
@@ -287,7 +292,7 @@ class UsageConsumer:
         return len(entries)
 
     def _baseline(self, f: Mapping[str, str]) -> int | None:
-        if f.get("cache") == "HIT" or not f.get("node") or f.get("node") == "cache":
+        if f.get("cache") in HIT_OUTCOMES or not f.get("node") or f.get("node") == "cache":
             return None  # never reached an engine: round robin would not have seen it either
         return self.baseline.serve(f.get("pool", ""), f.get("blocks", ""), _int(f.get("prompt")),
                                    _int(f.get("cached")))
