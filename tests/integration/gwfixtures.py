@@ -257,7 +257,10 @@ class Gateway:
 
 
 def make_policy(sims: list[Sim], redis: RedisServer | None, *, balancer: str = "chash",
-                gateway: dict | None = None, cache: dict | None = None, pool: dict | None = None) -> Policy:
+                gateway: dict | None = None, cache: dict | None = None, pool: dict | None = None,
+                top: dict | None = None) -> Policy:
+    """The test policy over ``sims``; ``gateway``/``cache``/``pool`` update those sections, ``top``
+    adds top-level sections (e.g. ``semantic_service``)."""
     # internal_listen: a free port too, so gateways of tests running at once never collide
     gw = {"listen": f"127.0.0.1:{free_port()}", "internal_listen": f"127.0.0.1:{free_port()}",
           "worker_processes": 2, "debug_headers": True,
@@ -267,7 +270,7 @@ def make_policy(sims: list[Sim], redis: RedisServer | None, *, balancer: str = "
     p = {"name": "default", "models": [MODEL], "balancer": balancer,
          "nodes": [{"id": s.node_id, "url": s.url} for s in sims]}
     p.update(pool or {})
-    data = {"version": 1, "gateway": gw, "cache": cache or {}, "pools": [p]}
+    data = {"version": 1, "gateway": gw, "cache": cache or {}, "pools": [p], **(top or {})}
     data["redis"] = {"url": redis.url if redis else f"redis://127.0.0.1:{free_port()}/0", "timeout_ms": 200,
                      "managed": False}
     return parse_policy(data, "test-policy")
