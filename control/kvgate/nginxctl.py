@@ -185,7 +185,7 @@ class Nginx:
         """The static files for ``policy`` with this gateway's push secret and batch secret (see
         :func:`kvgate.render.render`)."""
         return render(policy, self.lua_dir, push_secret_sha256=dynamic.secret_sha256(self.push_secret()),
-                      batch_secret=self.batch_secret)
+                      batch_secret=self.batch_secret, run_dir=self.prefix.parent)
 
     def apply(self, policy: Policy, runtime: Runtime | None = None, start: bool = True) -> str:
         """Make nginx run ``policy`` with the control plane's ``runtime`` (None: the policy as written).

@@ -259,7 +259,39 @@ def _prices(prices: PricesConfig) -> dict[str, Any]:
     return {"input": t.input, "cached": t.cached_input, "output": t.output, "batch_discount": prices.batch_discount}
 
 
-def data_config(policy: Policy, push_secret_sha256: str = "", batch_secret: str = "") -> dict[str, Any]:
+SEMANTIC_SOCKET = "semantic.sock"
+"""The semantic service's default socket, in the run dir (``semantic_service.listen: null``)."""
+
+
+def semantic_listen(policy: Policy, run_dir: Path | None) -> str:
+    """Where the gateway reaches the semantic service (``kvgate semantic`` listens there):
+    ``semantic_service.listen`` as written, else ``unix:<run dir>/semantic.sock`` (absolute; the
+    run dir is the nginx prefix's parent, :class:`kvgate.rundir.RunDir`). ``run_dir=None`` and no
+    listen in the policy: ``""``, which the Lua reads as ``unix:<nginx prefix>/../semantic.sock``."""
+    listen = policy.semantic_service.listen
+    if listen:
+        return listen
+    if run_dir is None:
+        return ""
+    return f"unix:{Path(run_dir).resolve() / SEMANTIC_SOCKET}"
+
+
+def _pool_semantic(pool: Any, cache_ttl_s: int) -> dict[str, Any] | None:
+    """A pool's ``semantic`` in kvgate.json (lua/kvgate/semantic.lua), or None when the pool has
+    neither the semantic cache nor static answers (the cache stage then asks nothing). ``ttl_s``:
+    the pool's, else the cache's.
+    ``knowledge_version`` is a default only: the runtime's (``cache.knowledge``) is in force when
+    higher."""
+    sc = pool.semantic
+    if not (sc.enabled or sc.static_answers):
+        return None
+    return {"enabled": sc.enabled, "static": sc.static_answers is not None, "similarity_min": sc.similarity_min,
+            "model": sc.model, "ttl_s": sc.ttl_s or cache_ttl_s, "timeout_ms": sc.timeout_ms,
+            "max_temperature": sc.max_temperature, "knowledge_version": sc.knowledge_version}
+
+
+def data_config(policy: Policy, push_secret_sha256: str = "", batch_secret: str = "",
+                run_dir: Path | None = None) -> dict[str, Any]:
     """The ``kvgate.json`` content (without its ``digest`` and ``lua_digest``) as a dict.
 
     Per pool ``balancer`` and per node ``weight`` are the policy's (base weight ×
@@ -311,6 +343,8 @@ def data_config(policy: Policy, push_secret_sha256: str = "", batch_secret: str 
             # what a token costs (lua/kvgate/usage.lua): whole nano-dollars per token, so the
             # request log's costs sum exactly; absent: no prices (cost "")
             **({"prices": _prices(pool.prices)} if pool.prices is not None else {}),
+            # the semantic cache and static answers (lua/kvgate/semantic.lua); absent: off
+            **({"semantic": sem} if (sem := _pool_semantic(pool, policy.cache.ttl_s)) else {}),
         }
         for model in pool.models:
             models[model] = pool.name
@@ -377,6 +411,8 @@ def data_config(policy: Policy, push_secret_sha256: str = "", batch_secret: str 
             "credential_headers": [h.lower() for h in policy.cache.credential_headers],
         },
         "internal": {"push_secret_sha256": push_secret_sha256},
+        # the semantic service (lua/kvgate/semantic.lua): "" = unix:<nginx prefix>/../semantic.sock
+        "semantic_service": {"listen": semantic_listen(policy, run_dir)},
         # the Batch API's line principal (lua/kvgate/batch_principal.lua): HMAC key, "" = refused
         "batch_secret": batch_secret,
         "redis": {
@@ -420,7 +456,7 @@ def lua_digest(lua_dir: Path) -> str:
 
 
 RUNTIME_DEFAULTS = ("pools.*.balancer", "pools.*.bound_factor", "pools.*.bound_load", "pools.*.saturated_queue",
-                    "pools.*.nodes[].weight", "cache.namespace_version")
+                    "pools.*.nodes[].weight", "pools.*.semantic.knowledge_version", "cache.namespace_version")
 """Fields of kvgate.json that are only the runtime's defaults: left out of :func:`static_digest`."""
 
 
@@ -434,6 +470,8 @@ def static_identity(data: Mapping[str, Any]) -> dict[str, Any]:
             pool.pop("bound_factor", None)
             pool.pop("bound_load", None)
             pool.pop("saturated_queue", None)
+            if isinstance(pool.get("semantic"), dict):
+                pool["semantic"].pop("knowledge_version", None)
             for node in pool.get("nodes") or []:
                 if isinstance(node, dict):
                     node.pop("weight", None)
@@ -469,7 +507,7 @@ def upstream_pools(policy: Policy) -> list[dict[str, Any]]:
 
 
 def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None, *,
-           push_secret_sha256: str = "", batch_secret: str = "") -> dict[str, str]:
+           push_secret_sha256: str = "", batch_secret: str = "", run_dir: Path | None = None) -> dict[str, str]:
     """Render the gateway's static config for ``policy``.
 
     Args:
@@ -483,6 +521,8 @@ def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None, *,
         batch_secret: the HMAC key of the Batch API worker's ``X-Kvgate-Batch`` header
             (:func:`kvgate.batch.records.batch_secret` of the admin token; hex). ``""`` renders a
             gateway that refuses every batch header. It is a secret: kvgate.json is 0600-worthy.
+        run_dir: the run dir, for the semantic service's default socket (:func:`semantic_listen`;
+            :class:`kvgate.nginxctl.Nginx` passes its prefix's parent).
 
     Returns:
         ``{"conf/nginx.conf": text, "conf/kvgate.json": text}``, paths relative to
@@ -504,7 +544,7 @@ def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None, *,
         connect_timeout=_seconds(gw.connect_timeout_s),
         read_timeout=_seconds(gw.read_timeout_s),
     )
-    data = data_config(policy, push_secret_sha256, batch_secret)
+    data = data_config(policy, push_secret_sha256, batch_secret, run_dir)
     # The Lua modules are loaded once per (re)load, so a changed module must count as a
     # changed config: otherwise `kvgate up` after an upgrade would keep the old code.
     data["lua_digest"] = lua_digest(lua_dir)

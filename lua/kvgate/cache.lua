@@ -21,6 +21,7 @@ local kredis = require "kvgate.redis"
 local metrics = require "kvgate.metrics"
 local config = require "kvgate.config"
 local flight = require "kvgate.flight"
+local semantic = require "kvgate.semantic"
 
 local keys = require "kvgate.keys"
 local klog = require "kvgate.log"
@@ -91,6 +92,12 @@ function _M.lookup(cfg, c, req, endpoint, headers, scope)
         cache_error("key", kerr)
         c.reason = "key-error"
         return nil
+    end
+    -- the semantic scope has the same credential digest (kvgate.semantic.scope); the entry's
+    -- tags (X-Kvgate-Cache-Tags) are filed with it when it is stored
+    c.cred = cred
+    if headers[semantic.TAGS_HEADER] ~= nil then
+        c.tags = semantic.tags(headers)
     end
     if cc ~= nil and cache_key.revalidate(cc) then
         c.outcome = "MISS"
@@ -171,6 +178,12 @@ function _M.access(kctx, cfg)
     local r = kctx.req
     local c = kctx.cache
     local entry = _M.lookup(cfg, c, r.parsed, r.endpoint, r.headers, kctx.tenant.scope)
+    local pc = kctx.route.pool_cfg
+    if not entry and c.outcome == "MISS" and c.reason == nil and pc and pc.semantic then
+        -- an exact miss of a pool with the semantic cache or static answers (kvgate.semantic);
+        -- a single-flight leader answered here releases its lock in the log phase
+        entry = semantic.lookup(kctx, cfg)
+    end
     if entry then
         -- the log phase reads the tokens the hit avoided from it (kvgate.usage.read)
         c.entry = entry
@@ -242,11 +255,27 @@ local function flush(premature, rcfg)
     -- the flight locks of the leaders among them (kvgate.flight): after their entries, in the same
     -- pipeline, so a waiting duplicate finds the entry before the lock is gone
     local ncmds = n
+    local inserts
     for i = 1, n do
         local w = batch[i]
         if w[4] then
             ncmds = ncmds + 1
             cmds[ncmds] = { "del", flight.lock_key(w[1]) }
+        end
+        local sem = w[5]
+        if sem then
+            -- the entry's tags (a set per tag: kvgate cache invalidate --tag)
+            if sem.tags then
+                local tc = semantic.tag_commands(w[1], sem.tags, w[3])
+                for j = 1, #tc do
+                    ncmds = ncmds + 1
+                    cmds[ncmds] = tc[j]
+                end
+            end
+            if sem.scope then
+                inserts = inserts or {}
+                inserts[i] = sem
+            end
         end
     end
     local replies, err = kredis.pipeline(rcfg, cmds)
@@ -267,20 +296,31 @@ local function flush(premature, rcfg)
     if stored > 0 then
         metrics.incr(M.cache_stores, {}, stored)
     end
+    if inserts then
+        -- the semantic entries of the stored answers, to the service (kvgate.semantic.insert)
+        local cfg = config.get()
+        for i = 1, n do
+            local sem = inserts[i]
+            local r = replies[i]
+            if sem and not (r == nil or (type(r) == "table" and r[1] == false)) then
+                semantic.insert(cfg, sem, batch[i][1])
+            end
+        end
+    end
     if failed > 0 then
         cache_error("set", ferr, failed)
     end
 end
 
--- write(rcfg, key, value, ttl, leader): queue a store for this worker's next flush (leader:
--- the key's flight lock goes with it)
-local function write(rcfg, key, value, ttl, leader)
+-- write(rcfg, key, value, ttl, leader, sem): queue a store for this worker's next flush (leader:
+-- the key's flight lock goes with it; sem: {tags, and the semantic insert's payload} or nil)
+local function write(rcfg, key, value, ttl, leader, sem)
     if npending >= MAX_PENDING then
         cache_error("timer", "too many stores waiting for Redis")
         return
     end
     npending = npending + 1
-    pending[npending] = { key, value, ttl, leader }
+    pending[npending] = { key, value, ttl, leader, sem }
     if not scheduled then
         local ok, err = ngx.timer.at(0, flush, rcfg)
         if not ok then
@@ -361,7 +401,11 @@ local function store(cfg, c, endpoint)
         skipped("too-large")
         return
     end
-    return write(cfg.redis, c.key, value, cfg.cache.ttl_s, c.leader)
+    local sem = c.sem
+    if not sem and c.tags then
+        sem = { tags = c.tags }
+    end
+    return write(cfg.redis, c.key, value, cfg.cache.ttl_s, c.leader, sem)
 end
 
 --- log(cfg, c, endpoint): store a complete 200 response (never a partial one); endpoint

@@ -232,8 +232,11 @@ function _M.log()
         node = kctx.balancer.node or stage_upstream.node_of(cfg, addr)
     end
     local status = ngx.status
-    stage_log.count(route.pool, node, status, outcome, route.kind, kctx.tenant.id)
+    -- a semantic or static hit is a HIT to every lever; its label tells which (kvgate.semantic)
+    local label = kctx.cache.label or outcome
+    stage_log.count(route.pool, node, status, label, route.kind, kctx.tenant.id)
     local entry = stage_log.entry(kctx, node == "none" and "" or node, status, outcome, addr, cfg)
+    entry.cache = label
     stage_log.count_usage(entry)
     warm.log(kctx, entry, status)
     stage_log.record(entry)

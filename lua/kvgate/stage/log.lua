@@ -115,6 +115,10 @@ function _M.entry(kctx, node, status, outcome, addr, cfg)
     }
 end
 
+-- the request log's cache values that are hits, and the lever their savings count under
+-- (kvgate_saved_usd_total{lever}): an exact hit's is "cache", a semantic or static one's its own
+local HITS = { HIT = "cache", SEMANTIC = "semantic", STATIC = "static" }
+
 --- count_usage(e): the usage counters of a request-log entry: tokens an engine computed
 -- (kind prompt | cached | completion) or a hit avoided (prompt | completion), its cost and
 -- savings in dollars (lever cache | prefix | batch); nothing for what is 0 or unknown
@@ -125,7 +129,7 @@ function _M.count_usage(e)
     if p then
         -- (a usage object may lack a member: nil counts as 0, never an error in the log phase)
         local c, cached = e.completion or 0, e.cached or 0
-        if e.cache == "HIT" then
+        if HITS[e.cache] then
             if p > 0 then avoided(p, t, pool, "prompt") end
             if c > 0 then avoided(c, t, pool, "completion") end
         else
@@ -137,7 +141,7 @@ function _M.count_usage(e)
     local cost = e.cost
     if cost then
         if cost > 0 then cost_usd(cost * NANO, t, pool) end
-        if (e.saved_cache or 0) > 0 then saved_usd(e.saved_cache * NANO, t, pool, "cache") end
+        if (e.saved_cache or 0) > 0 then saved_usd(e.saved_cache * NANO, t, pool, HITS[e.cache] or "cache") end
         if (e.saved_prefix or 0) > 0 then saved_usd(e.saved_prefix * NANO, t, pool, "prefix") end
         if (e.saved_batch or 0) > 0 then saved_usd(e.saved_batch * NANO, t, pool, "batch") end
     end

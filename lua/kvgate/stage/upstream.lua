@@ -12,6 +12,7 @@ local metrics = require "kvgate.metrics"
 local sse_guard = require "kvgate.sse_guard"
 local shutdown = require "kvgate.shutdown"
 local keys = require "kvgate.keys"
+local semantic = require "kvgate.semantic"
 local peers = require "kvgate.balancer.peers"
 local score = require "kvgate.score"
 
@@ -88,6 +89,10 @@ function _M.header_filter(kctx, cfg)
         log.node = n
     end
     h["X-Kvgate-Cache"] = outcome or "BYPASS"
+    if kctx.cache.label then
+        -- a semantic or static hit (kvgate.semantic): SEMANTIC | STATIC, the similarity
+        semantic.header(kctx.cache, h)
+    end
     if cfg.debug_headers then
         h["X-Kvgate-Node"] = hit and "cache" or n or "none"
         h["X-Kvgate-Route-Key-Kind"] = kctx.route.kind
