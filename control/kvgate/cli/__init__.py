@@ -29,6 +29,7 @@ class _LazyGroup(click.Group):
         "costs": ("kvgate.cli.costs", "costs_command"),
         "log": ("kvgate.analyze.logexport", "log_group"),
         "batch-worker": ("kvgate.cli.batch", "batch_worker_command"),
+        "semantic": ("kvgate.semantic.cli", "semantic_command"),
     }
 
     def list_commands(self, ctx):
