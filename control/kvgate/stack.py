@@ -192,8 +192,8 @@ class Stack:
         if name.startswith("agent-"):
             cmd = proc.cmdline()
             return cmd[1:6] == ["-m", "kvgate", "agent", "--node-id", name[6:]] and str(self.token_file) in cmd
-        if name == "batch-worker":
-            return proc.cmdline()[1:6] == ["-m", "kvgate", "--run-dir", str(self.run_dir), "batch-worker"]
+        if name in ("batch-worker", "semantic"):
+            return proc.cmdline()[1:6] == ["-m", "kvgate", "--run-dir", str(self.run_dir), name]
         return False
 
     def _live_pid(self, name: str) -> int | None:
@@ -387,6 +387,10 @@ class Stack:
             echo(f"batch-worker {result}")
             if result in ("started", "restarted"):
                 started.append("batch-worker")
+            result = self.start_semantic(policy_path, policy)
+            echo(f"semantic  {result}")
+            if result in ("started", "restarted"):
+                started.append("semantic")
         except BaseException:
             # Leave nothing half-started behind: stop what this call started (and only that),
             # then bring back what the previous policy ran (parts this call replaced).
@@ -489,6 +493,17 @@ class Stack:
         if not policy.batch.enabled:
             return "stopped" if self._stop_pid("batch-worker") else "disabled"
         return self._keep_or_spawn("batch-worker", self.batch_worker_command(policy_path, policy))
+
+    def start_semantic(self, policy_path: Path, policy: Policy) -> str:
+        """Start (or keep) the semantic service (``kvgate semantic``) when a pool turns the
+        semantic cache on or names static answers, else stop a running one. It re-reads the
+        policy file (static answers) when it changes. Returns ``started``, ``running``,
+        ``restarted``, ``stopped`` or ``disabled``."""
+        if not any(p.semantic.enabled or p.semantic.static_answers for p in policy.pools):
+            return "stopped" if self._stop_pid("semantic") else "disabled"
+        cmd = [sys.executable, "-m", "kvgate", "--run-dir", str(self.run_dir), "semantic",
+               "--policy", str(Path(policy_path).resolve())]
+        return self._keep_or_spawn("semantic", cmd)
 
     def _per_node(self, kind: str, nodes: list[NodeConfig], start, echo, started: list[str],
                   stop_others: bool = True) -> None:
@@ -596,4 +611,8 @@ class Stack:
         if policy.batch.enabled:
             pid = self._live_pid("batch-worker")
             out.append(Component("batch-worker", pid, pid is not None, f"runs batch lines through http://{listen}"))
+        if any(p.semantic.enabled or p.semantic.static_answers for p in policy.pools):
+            pid = self._live_pid("semantic")
+            where = policy.semantic_service.listen or f"unix:{self.run_dir / 'semantic.sock'}"
+            out.append(Component("semantic", pid, pid is not None, f"semantic cache and static answers on {where}"))
         return out
