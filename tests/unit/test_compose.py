@@ -174,7 +174,7 @@ def volume_mounts(service: str) -> dict[str, tuple[str, bool]]:
 def test_compose_file_is_a_compose_spec_file() -> None:
     assert not UNESCAPED, f"compose would substitute these `$` (mostly with nothing): write $$ in {UNESCAPED}"
     assert "version" not in COMPOSE, "the compose spec has no `version:` key (compose warns that it is obsolete)"
-    expected = {"redis", "gateway", "control", "batch-worker"} | {f"engine-{n}" for n in NODE_IDS} \
+    expected = {"redis", "gateway", "control", "batch-worker", "semantic"} | {f"engine-{n}" for n in NODE_IDS} \
         | {f"agent-{n}" for n in NODE_IDS}
     assert set(SERVICES) == expected
     declared = set(COMPOSE.get("volumes") or {})
