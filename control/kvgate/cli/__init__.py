@@ -30,6 +30,7 @@ class _LazyGroup(click.Group):
         "log": ("kvgate.analyze.logexport", "log_group"),
         "batch-worker": ("kvgate.cli.batch", "batch_worker_command"),
         "semantic": ("kvgate.semantic.cli", "semantic_command"),
+        "cache": ("kvgate.cli.cache", "cache_group"),
     }
 
     def list_commands(self, ctx):
