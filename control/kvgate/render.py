@@ -88,6 +88,9 @@ class Runtime:
     namespace_version: int | None = None
     states: Mapping[str, str] = field(default_factory=dict)
     home_weights: Mapping[str, int] = field(default_factory=dict)
+    knowledge: Mapping[str, int] = field(default_factory=dict)
+    """pool name → the pool's semantic ``knowledge_version`` in force when higher than the
+    policy's (``kvgate cache bump-knowledge POOL``: never goes back, like the namespace)."""
 
     def weight(self, node_id: str, base: int) -> int:
         return int(self.weights.get(node_id, base * WEIGHT_SCALE))
@@ -120,7 +123,8 @@ def runtime_document(policy: Policy, runtime: Runtime | None = None) -> dict[str
                               "saturated_queue": int >= 0 (absent: none),
                               "nodes": {"<node id>": {"weight": int >= 0, "state": str,
                                                       "home_weight": int >= 1}}}},
-         "cache": {"namespace_version": int >= 1}}
+         "cache": {"namespace_version": int >= 1,
+                   "knowledge": {"<pool>": int >= 1}}}   # only pools with the semantic cache or static answers
 
     ``runtime=None`` is the policy as written: every node ``active`` at its base weight × 100.
     ``home_weight``: the node's weight on the home ring (:meth:`Runtime.home_weight`); the
@@ -135,10 +139,13 @@ def runtime_document(policy: Policy, runtime: Runtime | None = None) -> dict[str
             nodes[n.id] = {"weight": w, "state": runtime.state(n.id, w), "home_weight": runtime.home_weight(n.id, n.weight)}
         pools[pool.name] = {"balancer": runtime.balancer(pool.name, pool.balancer), "nodes": nodes,
                             **_bound_fields(pool)}
-    return {
-        "pools": pools,
-        "cache": {"namespace_version": max(policy.cache.namespace_version, runtime.namespace_version or 0)},
-    }
+    cache: dict[str, Any] = {"namespace_version": max(policy.cache.namespace_version, runtime.namespace_version or 0)}
+    knowledge = {p.name: max(p.semantic.knowledge_version, int(runtime.knowledge.get(p.name) or 0))
+                 for p in policy.pools if p.semantic.enabled or p.semantic.static_answers}
+    if knowledge:
+        # the semantic cache's knowledge versions (lua/kvgate/semantic.lua: part of every scope)
+        cache["knowledge"] = knowledge
+    return {"pools": pools, "cache": cache}
 
 
 def _bound_fields(pool: Any) -> dict[str, Any]:

@@ -68,7 +68,7 @@ end
 -- balancers ignore them), nodes = {[id] = {weight = <integer 0..MAX_WEIGHT>, state = <non-empty string>,
 -- home_weight = <integer 1..MAX_WEIGHT, optional: the weight on the home ring, see
 -- kvgate.balancer.peers.nodes>}}}},
--- cache = {namespace_version = <integer >= 0>}}. param: the path of the first bad field
+-- cache = {namespace_version = <integer >= 0>, knowledge = {[pool] = <integer >= 1>} (optional)}}. param: the path of the first bad field
 -- (keys in sorted order), e.g. "pools.p1.nodes.n2.weight"; a pool added or removed is a
 -- structural change (a reload), never a push.
 function _M.check(doc, cfg)
@@ -165,12 +165,28 @@ function _M.check(doc, cfg)
     if not is_object(cache) then
         return nil, "cache must be an object with namespace_version", "cache"
     end
-    msg, param = only(cache, { namespace_version = true }, "cache.")
+    msg, param = only(cache, { namespace_version = true, knowledge = true }, "cache.")
     if msg then
         return nil, msg, param
     end
     if not is_int(cache.namespace_version, _M.MAX_NAMESPACE) then
         return nil, "cache.namespace_version must be an integer >= 0", "cache.namespace_version"
+    end
+    -- optional: pool -> the semantic cache's knowledge_version in force (kvgate.semantic)
+    local kn = cache.knowledge
+    if kn ~= nil then
+        if not is_object(kn) then
+            return nil, "cache.knowledge must be an object of pool -> knowledge_version", "cache.knowledge"
+        end
+        for _, name in ipairs(sorted_keys(kn)) do
+            local at = "cache.knowledge." .. name
+            if not cfg.pools[name] then
+                return nil, "no pool " .. name .. " in the gateway's config", at
+            end
+            if not is_int(kn[name], _M.MAX_NAMESPACE) or kn[name] < 1 then
+                return nil, at .. " must be an integer >= 1", at
+            end
+        end
     end
     return true
 end
@@ -189,7 +205,15 @@ function _M.base(cfg)
                         bound_factor = tonumber(pool.bound_factor), saturated_queue = tonumber(pool.saturated_queue),
                         bound_load = pool.bound_load }
     end
-    return { pools = pools, cache = { namespace_version = tonumber(cfg.cache.namespace_version) or 0 } }
+    local cache = { namespace_version = tonumber(cfg.cache.namespace_version) or 0 }
+    for name, pool in pairs(cfg.pools) do
+        local sem = pool.semantic
+        if type(sem) == "table" and tonumber(sem.knowledge_version) then
+            cache.knowledge = cache.knowledge or {}
+            cache.knowledge[name] = tonumber(sem.knowledge_version)
+        end
+    end
+    return { pools = pools, cache = cache }
 end
 
 -- ---------------------------------------------------------------- the shared dict

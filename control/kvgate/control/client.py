@@ -110,6 +110,16 @@ class ControlClient:
         """``POST /api/v1/cache/invalidate``: ``{"old", "new", "version", "result"}``."""
         return self._call("POST", "/api/v1/cache/invalidate", timeout=120, headers={"X-Kvgate-Source": source})
 
+    def bump_knowledge(self, pool: str, source: str = "kvgate cache bump-knowledge") -> dict[str, Any]:
+        """``POST /api/v1/cache/knowledge``: ``{"pool", "old", "new", "result"}``."""
+        return self._call("POST", "/api/v1/cache/knowledge", json={"pool": pool}, timeout=120,
+                          headers={"X-Kvgate-Source": source})
+
+    def invalidate_tag(self, tag: str, source: str = "kvgate cache invalidate --tag") -> dict[str, Any]:
+        """``POST /api/v1/cache/invalidate-tag``: ``{"tag", "removed_exact", "removed_semantic", "semantic_error"}``."""
+        return self._call("POST", "/api/v1/cache/invalidate-tag", json={"tag": tag}, timeout=60,
+                          headers={"X-Kvgate-Source": source})
+
     def events(self, limit: int = 50, node: str | None = None, kind: str | None = None) -> list[dict[str, Any]]:
         params = {"limit": limit, **({"node": node} if node else {}), **({"kind": kind} if kind else {})}
         return self._call("GET", "/api/v1/events", params=params)["events"]

@@ -91,6 +91,9 @@ class ControlPlane:
         self.namespace_floor = 0
         """The highest response-cache namespace version ever in force (kept in Redis): the
         version in force never goes below it (see :attr:`namespace_in_force`)."""
+        self.knowledge_floor: dict[str, int] = {}
+        """pool → the highest semantic knowledge_version ever in force (kept in Redis,
+        :mod:`kvgate.control.semcache`)."""
         self.passive = PassiveWindows()
         self.http = requests.Session()
         self.push = RuntimePush(nginx, self.metrics, self.event, start=not external_gateway)
@@ -238,7 +241,7 @@ class ControlPlane:
     def desired_runtime(self) -> Runtime:
         """Weights (0 = down), balancer switches and the namespace version for the current states."""
         assert self.policy is not None
-        return runtime_for(self.policy, self.nodes, self.pools, self.namespace_floor)
+        return runtime_for(self.policy, self.nodes, self.pools, self.namespace_floor, self.knowledge_floor)
 
     def apply_runtime(self, force: bool = False) -> str:
         """Send the desired runtime to the gateway (:meth:`kvgate.control.push.RuntimePush.apply`):
@@ -424,6 +427,20 @@ class ControlPlane:
         """Retire every cached response (:func:`kvgate.control.versions.invalidate_cache`):
         ``{"old", "new", "version", "result"}``. Raises PolicyError, ApplyError, StoreError, ValueError."""
         return versions.invalidate_cache(self, source)
+
+    def bump_knowledge(self, pool: str, source: str) -> dict[str, Any]:
+        """Retire a pool's semantic entries: its knowledge_version + 1, pushed as runtime
+        (:func:`kvgate.control.semcache.bump_knowledge`): ``{"pool", "old", "new", "result"}``."""
+        from . import semcache
+
+        return semcache.bump_knowledge(self, pool, source)
+
+    def invalidate_tag(self, tag: str, source: str) -> dict[str, Any]:
+        """Remove the cache entries tagged ``tag``, exact and semantic
+        (:func:`kvgate.control.semcache.invalidate_tag`)."""
+        from . import semcache
+
+        return semcache.invalidate_tag(self, tag, source)
 
     def rollback(self, version: int, by: str | None = None, force: bool = False) -> dict[str, Any]:
         """Apply a stored version again, as a new version (:func:`kvgate.control.versions.rollback`).

@@ -49,6 +49,9 @@ def load(plane: ControlPlane, policy_text: str | None, source: str) -> None:
         policy_text, source = latest["yaml"], f"restart (version {latest['version']})"
     plane.nodes = node_records(plane.store.nodes())
     plane.namespace_floor = int(plane.store.get("cache_namespace_max") or 0)
+    from .semcache import load_floor
+
+    plane.knowledge_floor = load_floor(plane)
     if latest and latest["yaml"] == policy_text:
         policy = parse_policy_text(policy_text, f"version {latest['version']}")
         plane.apply(adopt(plane, policy, policy_text))

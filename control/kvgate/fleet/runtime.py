@@ -14,7 +14,8 @@ from .weights import node_weight, serving_weights
 
 
 def runtime_for(policy: Policy, records: Mapping[str, NodeRecord | Mapping[str, Any]],
-                pools: Mapping[str, PoolState | Mapping[str, Any]], namespace_floor: int = 0) -> Runtime:
+                pools: Mapping[str, PoolState | Mapping[str, Any]], namespace_floor: int = 0,
+                knowledge_floor: Mapping[str, int] | None = None) -> Runtime:
     """The gateway runtime for node ``records`` and pool states (typed, or as stored in Redis).
 
     ``active`` nodes get their target weight, ``ramping`` ones the ramp step's share of it,
@@ -25,7 +26,8 @@ def runtime_for(policy: Policy, records: Mapping[str, NodeRecord | Mapping[str, 
     state (``joining`` without one, ``active`` for every node of a fresh fleet). Pools in
     overload degrade get ``least_conn``.
     ``namespace_floor``: the highest cache namespace version ever in force; the runtime's is
-    the policy's unless that is lower.
+    the policy's unless that is lower. ``knowledge_floor``: pool → the highest semantic
+    ``knowledge_version`` ever in force (``kvgate cache bump-knowledge``), likewise.
     """
     recs = node_records(records)
     weights = {node.id: node_weight(recs.get(node.id), node.weight, policy.ramp.steps, fresh_fleet=not recs)
@@ -37,4 +39,8 @@ def runtime_for(policy: Policy, records: Mapping[str, NodeRecord | Mapping[str, 
                       home_weights=serving_weights(policy, weights, recs))
     if namespace_floor > policy.cache.namespace_version:
         runtime = dataclasses.replace(runtime, namespace_version=namespace_floor)
+    if knowledge_floor:
+        runtime = dataclasses.replace(runtime, knowledge={
+            p.name: int(knowledge_floor[p.name]) for p in policy.pools
+            if int(knowledge_floor.get(p.name) or 0) > p.semantic.knowledge_version})
     return runtime

@@ -193,6 +193,35 @@ def cache_invalidate():
     return jsonify(services().invalidate_cache(source))
 
 
+@bp.post("/cache/knowledge")
+def cache_bump_knowledge():
+    """Retire a pool's semantic cache: ``{"pool": name}`` → its knowledge_version + 1, pushed to the
+    gateway as runtime (no reload, no new policy version). ``{"pool", "old", "new", "result"}``; 400
+    ``invalid_request`` for an unknown pool or one without the semantic cache or static answers."""
+    from ..control.semcache import CacheOpError
+
+    body = request.get_json(silent=True) or {}
+    source = request.headers.get("X-Kvgate-Source", "API")[:100]
+    try:
+        return jsonify(services().bump_knowledge(str(body.get("pool") or ""), source))
+    except CacheOpError as exc:
+        return json_error(400, str(exc), "invalid_request_error", "invalid_request", param=exc.param)
+
+
+@bp.post("/cache/invalidate-tag")
+def cache_invalidate_tag():
+    """Remove the cache entries tagged ``{"tag": T}`` (X-Kvgate-Cache-Tags): the exact entries and
+    the semantic service's. ``{"tag", "removed_exact", "removed_semantic", "semantic_error"}``."""
+    from ..control.semcache import CacheOpError
+
+    body = request.get_json(silent=True) or {}
+    source = request.headers.get("X-Kvgate-Source", "API")[:100]
+    try:
+        return jsonify(services().invalidate_tag(str(body.get("tag") or ""), source))
+    except CacheOpError as exc:
+        return json_error(400, str(exc), "invalid_request_error", "invalid_request", param=exc.param)
+
+
 # ---------------------------------------------------------------- tenants
 def _apikeys():
     from ..control.apikeys import ApiKeys

@@ -263,7 +263,44 @@ def cache():
                            traffic_error=t.get("error"), cache_cfg=plane.policy.cache,
                            namespace=plane.namespace_in_force,
                            pool_names=[p.name for p in plane.policy.pools], window_s=TRAFFIC_WINDOW_S,
-                           page="cache")
+                           knowledge=_knowledge(plane), page="cache")
+
+
+def _knowledge(plane) -> dict[str, int]:
+    """pool → knowledge_version in force, for the pools with the semantic cache or static answers."""
+    from ...control.semcache import knowledge_in_force
+
+    assert plane.policy is not None
+    on = {p.name for p in plane.policy.pools if p.semantic.enabled or p.semantic.static_answers}
+    return {k: v for k, v in knowledge_in_force(plane).items() if k in on}
+
+
+@bp.route("/cache/knowledge/<pool>", methods=["GET", "POST"])
+@require_admin
+def cache_bump_knowledge(pool: str):
+    from ...control.semcache import CacheOpError
+
+    plane = services()
+    back = url_for("admin.cache")
+    v = _knowledge(plane).get(pool)
+    if v is None:
+        return done(f"Pool {pool!r} has neither the semantic cache nor static answers.", 400, "error", back=back,
+                    code="invalid_request")
+    if request.method == "GET":
+        return render_template("admin/confirm.html", action="bump-knowledge",
+                               spec={"label": "Bump the knowledge version"}, node=None,
+                               post_url=url_for("admin.cache_bump_knowledge", pool=pool), page="cache",
+                               message=f"Retire the semantic cache of pool {pool}? Its knowledge version goes from "
+                                       f"{v} to {v + 1}: no cached paraphrase answers again. Old entries expire "
+                                       "by their TTL.")
+    try:
+        out = plane.bump_knowledge(pool, actor())
+    except CacheOpError as exc:
+        return done(str(exc), 400, "error", back=back, code="invalid_request")
+    except (ApplyError, StoreError) as exc:
+        return failed(exc, back=back)
+    return done(f"Semantic cache of pool {pool} retired: knowledge version {out['old']} → {out['new']}.", 200,
+                json_extra=out, back=back)
 
 
 @bp.route("/cache/invalidate", methods=["GET", "POST"])
