@@ -47,12 +47,12 @@ _MONTHS["sept"] = 9
 _WEEKDAYS = {d: i for i, d in enumerate("monday tuesday wednesday thursday friday saturday sunday".split())}
 _WEEKDAYS.update({d[:3]: i for d, i in list(_WEEKDAYS.items())})
 _RELATIVE = {"today", "tonight", "tomorrow", "yesterday", "now", "morning", "afternoon", "evening",
-             "night", "weekend", "week", "month", "year", "quarter", "noon", "midnight", "daily", "weekly",
-             "monthly", "yearly", "annual", "annually", "hourly"}
+             "night", "weekend", "week", "month", "year", "quarter", "noon", "midnight"}
+# (frequencies — "daily", "a day", "weekly" — name no particular day: not dates)
 _RELATIVE_MOD = {"next", "last", "this", "previous", "coming", "past"}
 
 _NEGATIONS = {"not", "no", "never", "without", "cannot", "cant", "nobody", "nothing", "none", "neither",
-              "nor", "nowhere", "unable", "fail", "fails", "failed", "stop", "stopped", "lack", "lacks",
+              "nor", "nowhere", "unable", "lack", "lacks",
               "dont", "doesnt", "didnt", "isnt", "arent", "wasnt", "werent", "wont", "wouldnt", "shouldnt",
               "couldnt", "hasnt", "havent", "hadnt", "mustnt", "neednt", "aint", "except", "excluding"}
 
@@ -242,8 +242,22 @@ for _a, _b in _ANTONYM_PAIRS:
     _PAIRS.setdefault(_b, set()).add(_a)
 
 
+def _bases(w: str) -> set[str]:
+    """Candidate positive degrees of a comparative/superlative: cheapest → cheap, slower → slow,
+    biggest → big (and bigg), easier → easy; empty for other words."""
+    for suf in ("est", "er"):
+        if len(w) > len(suf) + 3 and w.endswith(suf):
+            b = w[: -len(suf)]
+            if b.endswith("i"):
+                return {b[:-1] + "y"}
+            if len(b) > 2 and b[-1] == b[-2] and b[-1] not in "aeiou":
+                return {b, b[:-1]}
+            return {b}
+    return set()
+
+
 def _phrases(ws: list[str]) -> set[str]:
-    out = set(ws) | {_stem(w) for w in ws}
+    out = set(ws) | {_stem(w) for w in ws} | {b for w in ws for b in _bases(w)}
     out |= {f"{a} {b}" for a, b in zip(ws, ws[1:])}
     return out
 
