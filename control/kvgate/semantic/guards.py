@@ -144,7 +144,7 @@ def numbers(text: str) -> Counter:
             raw, mult = raw[:-1], 1e6
         elif raw.endswith("x"):
             raw = raw[:-1]
-        raw = raw.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+", raw) else raw.replace(",", ".")
+        raw = raw.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", raw) else raw.replace(",", ".")
         try:
             val = float(raw) * mult
         except ValueError:
