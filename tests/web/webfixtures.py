@@ -175,6 +175,14 @@ class FakePlane:
         self._call("invalidate_cache", source)
         return {"old": 1, "new": 2, "version": 2, "changed": True, "result": "pushed"}
 
+    def bump_knowledge(self, pool: str, source: str) -> dict[str, Any]:
+        self._call("bump_knowledge", pool, source)
+        return {"pool": pool, "old": 1, "new": 2, "result": "pushed"}
+
+    def invalidate_tag(self, tag: str, source: str) -> dict[str, Any]:
+        self._call("invalidate_tag", tag, source)
+        return {"tag": tag, "removed_exact": 0, "removed_semantic": None, "semantic_error": None}
+
     def event(self, kind: Any, message: str, node: str | None = None, pool: str | None = None,
               **data: Any) -> None:
         self._call("event", str(kind), message)
