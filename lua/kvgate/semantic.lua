@@ -219,9 +219,12 @@ function _M.static_completion(req, answer, prompt_text)
         model = req.model,
         choices = { { index = 0, message = { role = "assistant", content = answer }, finish_reason = "stop",
                       logprobs = cjson.null } },
-        usage = { prompt_tokens = p, completion_tokens = c, total_tokens = p + c },
     }
-    return cjson.encode(obj)
+    -- usage last, as engines send it: the log phase reads a hit's usage from the entry's tail
+    -- (kvgate.usage.read), whatever the answer's length
+    local text = cjson.encode(obj)
+    return sub(text, 1, -2) .. format(',"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}',
+        p, c, p + c)
 end
 
 -- ---------------------------------------------------------------- the service over a cosocket

@@ -20,7 +20,7 @@ from gwfixtures import MODEL, Gateway, _start_gateway, _start_redis, _start_sims
 pytestmark = pytest.mark.integration
 
 SUCCESS = "vllm:request_success_total"
-ANSWER = "You can pay by card, bank transfer or PayPal."
+ANSWER = "You can pay by card, bank transfer or PayPal. " + "We also take gift cards at the till. " * 60
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,8 @@ def test_a_faq_question_and_its_paraphrase_are_static_json_and_sse(env) -> None:
     assert engine_requests(gw) == before, "no engine touched"
     gw.wait_metric("kvgate_semantic_lookups_total", 4, pool="default", result="static")
     gw.wait_metric("kvgate_requests_total", 4, cache="STATIC")
+    # the tokens the static answers avoided (the log phase reads them from the built answer)
+    assert gw.metric_sum("kvgate_tokens_avoided_total", kind="completion") >= 4 * u["completion_tokens"]
     # static answers are never offered to the semantic cache (it is off in this pool) nor stored
     assert not fake.calls("/insert")
     assert all(c["static"] is True and c["semantic"] is False for c in fake.calls("/lookup"))
