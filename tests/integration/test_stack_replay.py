@@ -81,7 +81,7 @@ def test_up_status_replay_down(stack, tmp_path):
     assert st.returncode == 0, st.stdout + st.stderr
     parts = {p["name"]: p for p in json.loads(st.stdout)}
     assert set(parts) == {"redis", "sim-n1", "sim-n2", "sim-n3", "sim-n4", "nginx", "control",
-                          "agent-n1", "agent-n2", "agent-n3", "agent-n4"}
+                          "agent-n1", "agent-n2", "agent-n3", "agent-n4", "batch-worker"}
     assert all(p["healthy"] for p in parts.values())
 
     trace = tmp_path / "conversations.jsonl"
