@@ -340,3 +340,69 @@ def test_costs_page_in_chromium_equals_kvgate_costs_json(cf: Fleet, traffic: Tra
         context.close()
     finally:
         assert cf.api("PUT", "/api/v1/policy", data=running).status_code == 200
+
+
+def test_batches_page_in_chromium(cf: Fleet, browser, shots: Path):
+    """The Batches page (issue 14 item 5): a finished batch with its progress bar and output
+    download, a running one cancelled through the confirmation page; the screenshot goes to
+    admin-batches.png."""
+    import io
+    import json
+
+    import openai
+    from playwright.sync_api import expect
+
+    from ctlfixtures import wait_until
+
+    client = openai.OpenAI(base_url=cf.gateway + "/v1", api_key="unused: gateway.auth is off", max_retries=0)
+
+    def submit(n: int, max_tokens: int, tag: str) -> str:
+        data = "".join(json.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                   "body": {"model": MODEL, "max_tokens": max_tokens,
+                                            "messages": [{"role": "user", "content": f"{tag} question {i}"}]}}) + "\n"
+                       for i in range(n)).encode()
+        f = client.files.create(file=("input.jsonl", io.BytesIO(data)), purpose="batch")
+        return client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                     metadata={"job": tag}).id
+
+    done_id = submit(6, 4, "summaries")
+    wait_until(lambda: client.batches.retrieve(done_id).status == "completed", "the short batch to complete", 60)
+    running_id = submit(80, 400, "nightly-eval")
+    wait_until(lambda: client.batches.retrieve(running_id).request_counts.completed >= 1, "the long batch to start", 60)
+
+    context = browser.new_context(viewport={"width": 1440, "height": 900})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    sign_in(page, cf, "/admin/batches")
+    expect(page.locator("h1")).to_have_text("Batches")
+    done_row = page.locator(f'tr[data-batch="{done_id}"]')
+    expect(done_row).to_have_attribute("data-status", "completed")
+    assert done_row.locator("progress").get_attribute("value") == "6"
+    expect(done_row.locator('[data-field="completed"]')).to_have_text("6")
+    # the output file, downloaded with the page's session
+    href = done_row.get_by_role("link", name="output").get_attribute("href")
+    out = page.request.get(cf.control + href)
+    assert out.status == 200
+    assert sorted(json.loads(x)["custom_id"] for x in out.text().splitlines()) == sorted(f"summaries-{i}" for i in range(6))
+    page.screenshot(path=str(shots / "admin-batches.png"), full_page=True)
+
+    row = page.locator(f'tr[data-batch="{running_id}"]')
+    expect(row).to_have_attribute("data-status", "in_progress")
+    row.get_by_role("link", name="Cancel…").click()
+    expect(page.locator("h1")).to_contain_text("Cancel the batch")
+    expect(page.locator(".confirm")).to_contain_text(running_id)
+    page.get_by_role("button", name="Cancel the batch").click()
+    page.wait_for_url(f"{cf.control}/admin/batches")
+    expect(page.locator(".flash")).to_contain_text(f"Batch {running_id} is cancelling")
+
+    def cancelled() -> bool:
+        page.reload()
+        return page.locator(f'tr[data-batch="{running_id}"]').get_attribute("data-status") == "cancelled"
+
+    wait_until(cancelled, "the cancelled batch to end", 60)
+    b = client.batches.retrieve(running_id)
+    assert b.status == "cancelled" and 1 <= b.request_counts.completed < 80
+    assert not page.locator(f'tr[data-batch="{running_id}"]').get_by_role("link", name="Cancel…").count()
+    assert not errors, errors
+    context.close()
