@@ -16,6 +16,7 @@ threshold, best first, and that the candidate still exists in Redis.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import logging
 import os
@@ -63,6 +64,7 @@ class SemanticCache:
         self.default_ttl_s = default_ttl_s
         self.rescan_s = rescan_s
         self.meta: OrderedDict[str, tuple[str, str, float]] = OrderedDict()  # key -> (text, entry, expires_at)
+        self._expiry: list[tuple[float, str]] = []  # heap of (expires_at, key); stale items skipped
         self.lock = threading.RLock()
         self.static: dict[str, StaticAnswers] = {}
         self.static_errors: dict[str, str] = {}
@@ -89,6 +91,7 @@ class SemanticCache:
             self.index.add(f"{pool}\0{scope}", key, vec)
             self.meta.pop(key, None)
             self.meta[key] = (text, entry, expires_at)
+            heapq.heappush(self._expiry, (expires_at, key))
             while len(self.meta) > self.max_entries:  # oldest first
                 old, _ = self.meta.popitem(last=False)
                 self.index.remove(old)
@@ -103,19 +106,31 @@ class SemanticCache:
         in Redis are dropped."""
         seen = set()
         for e in self.store.scan():
-            self._add(e.key, e.text, e.entry, e.vec, e.expires_at)
             seen.add(e.key)
+            with self.lock:
+                known = self.meta.get(e.key)
+                if known is not None and known[:2] == (e.text, e.entry):  # already indexed: new expiry only
+                    self.meta[e.key] = (e.text, e.entry, e.expires_at)
+                    heapq.heappush(self._expiry, (e.expires_at, e.key))
+                    continue
+            self._add(e.key, e.text, e.entry, e.vec, e.expires_at)
         with self.lock:
             for key in [k for k in self.meta if k not in seen]:
                 self._remove(key)
         return len(seen)
 
     def sweep(self) -> None:
-        """Drop expired entries from the index."""
+        """Drop expired entries from the index (a heap by expiry: the cost is the entries expired)."""
         now = time.time()
         with self.lock:
-            for key in [k for k, (_, _, exp) in self.meta.items() if exp <= now]:
-                self._remove(key)
+            while self._expiry and self._expiry[0][0] <= now:
+                exp, key = heapq.heappop(self._expiry)
+                m = self.meta.get(key)
+                if m is not None and m[2] <= now:
+                    self._remove(key)
+            if len(self._expiry) > 2 * len(self.meta) + 1000:  # replaced/removed entries' leftovers
+                self._expiry = [(m[2], k) for k, m in self.meta.items()]
+                heapq.heapify(self._expiry)
 
     def follow(self) -> None:
         """Apply the other services' inserts and removals (pub/sub), sweep, rescan; until :meth:`stop`."""
