@@ -66,3 +66,17 @@ def test_errors_name_the_file_and_the_row(tmp_path: Path, name: str, text: str, 
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(StaticAnswersError, match="cannot read"):
         load_static(tmp_path / "nope.yaml")
+
+
+def test_the_policy_loader_validates_the_file(tmp_path: Path) -> None:
+    from kvgate.policy import PolicyError, load_policy
+
+    write(tmp_path, "faq.csv", "question,answer\nWhen are you open?,Always.\nWhere?,x,y\n")
+    policy = write(tmp_path, "p.yaml", "version: 1\npools:\n  - name: default\n    models: [m]\n"
+                   "    nodes: [{id: n1, url: 'http://127.0.0.1:9'}]\n    semantic: {static_answers: faq.csv}\n")
+    with pytest.raises(PolicyError) as exc:
+        load_policy(policy)
+    assert "pools[0].semantic.static_answers" in str(exc.value)
+    assert f"{tmp_path / 'faq.csv'}: row 2 (line 3): expected 2 columns" in str(exc.value)
+    write(tmp_path, "faq.csv", "question,answer\nWhen are you open?,Always.\n")
+    assert load_policy(policy).pools[0].semantic.static_answers == "faq.csv"

@@ -200,7 +200,27 @@ def load_policy(path: str | Path) -> Policy:
         raise PolicyError(str(p), [PolicyIssue("", f"cannot read the file: {exc.strerror}")]) from None
     except UnicodeDecodeError as exc:
         raise PolicyError(str(p), [PolicyIssue("", f"not UTF-8 text (byte {exc.start}): is this a policy YAML file?")]) from None
-    return parse_policy_text(text, str(p))
+    policy = parse_policy_text(text, str(p))
+    issues = static_answers_issues(policy, p.parent)
+    if issues:
+        raise PolicyError(str(p), issues)
+    return policy
+
+
+def static_answers_issues(policy: Policy, base: Path) -> list[PolicyIssue]:
+    """The pools' ``semantic.static_answers`` files (relative to ``base``, the policy's folder)
+    read and validated: one issue per file that cannot serve, its reason naming the row."""
+    from kvgate.semantic.static import StaticAnswersError, load_static
+
+    issues = []
+    for i, pool in enumerate(policy.pools):
+        name = pool.semantic.static_answers
+        if name:
+            try:
+                load_static(Path(name) if Path(name).is_absolute() else base / name)
+            except StaticAnswersError as exc:
+                issues.append(PolicyIssue(f"pools[{i}].semantic.static_answers", str(exc)))
+    return issues
 
 
 def dump_policy(policy: Policy) -> str:
