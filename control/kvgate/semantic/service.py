@@ -424,6 +424,11 @@ async def _serve(app: web.Application, listen: str) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()
+    if listen.startswith("unix:"):
+        try:
+            os.unlink(listen[5:])
+        except OSError:
+            pass
 
 
 def _watch_policy(cache: SemanticCache, policy_path: Path) -> None:
