@@ -28,6 +28,13 @@ APIKEY_PREFIX = "kvgate:apikey:"
 ``name``, ``created`` (unix s), ``revoked`` (``0``/``1``) and ``last_used`` (unix s, set by the
 gateways). Written by the control plane (``control/apikeys.py``), read by ``lua/kvgate/tenant.lua``.
 The secret itself is stored nowhere."""
+FLIGHT_PREFIX = "kvgate:flight:"
+"""Single flight (``lua/kvgate/flight.lua``): ``kvgate:flight:<exact-cache key>``, set (NX, with the
+wait bound as TTL) by the first miss of a key and deleted with its stored entry."""
+TAG_PREFIX = "kvgate:tag:"
+"""Cache tags (``X-Kvgate-Cache-Tags``, ``lua/kvgate/semantic.lua``): a set ``kvgate:tag:<tag>`` of
+exact-cache keys with the entries' TTL; ``kvgate cache invalidate --tag`` deletes them
+(``control/semcache.py``)."""
 RATELIMIT_PREFIX = "kvgate:rl:"
 """Tenants' limits (``lua/kvgate/limits.lua``): token-bucket hashes ``kvgate:rl:<tenant>:rpm`` /
 ``:tpm`` (fields ``t`` tokens left, ``ts`` ms, ``n`` requests admitted while the bucket lived),

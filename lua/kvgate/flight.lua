@@ -15,6 +15,7 @@
 -- Redis errors fail open (the request is a MISS and goes to an engine; counted by the caller).
 local kredis = require "kvgate.redis"
 local metrics = require "kvgate.metrics"
+local keys = require "kvgate.keys"
 
 local ngx = ngx
 local type = type
@@ -25,7 +26,7 @@ local min = math.min
 
 local _M = {}
 
-_M.LOCK_PREFIX = "kvgate:flight:"
+_M.LOCK_PREFIX = keys.FLIGHT_PREFIX
 _M.POLL_MIN_S = 0.005
 _M.POLL_MAX_S = 0.05
 _M.METRIC = "kvgate_cache_flight_total"

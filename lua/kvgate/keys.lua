@@ -26,6 +26,12 @@ _M.APIKEY_INDEX = "kvgate:apikeys" -- hash: key id -> sha256 hex (the control pl
 -- kvgate:rl:<tenant>:s:<16 hex>:rpm, per key kvgate:rl:<tenant>:k:<key id>:<rpm|tpm>, the
 -- concurrency set kvgate:rl:<tenant>:concurrency; each with a TTL of at most one window
 _M.RATELIMIT_PREFIX = "kvgate:rl:"
+-- single flight (kvgate.flight): kvgate:flight:<exact-cache key>, SET NX PX <wait bound> by the
+-- first miss of a key, deleted with its stored entry
+_M.FLIGHT_PREFIX = "kvgate:flight:"
+-- cache tags (kvgate.semantic, X-Kvgate-Cache-Tags): a set kvgate:tag:<tag> of exact-cache keys,
+-- its TTL the entries'; read and deleted by `kvgate cache invalidate --tag` (control/semcache.py)
+_M.TAG_PREFIX = "kvgate:tag:"
 _M.NODE_LOAD_FIELDS = { "received_at", "interval_s", "waiting", "running", "kv_use" }
 
 --- node_load(pool) -> "kvgate:load:<pool>"

@@ -31,6 +31,7 @@ local metrics = require "kvgate.metrics"
 local config = require "kvgate.config"
 local prompt = require "kvgate.prompt"
 local klog = require "kvgate.log"
+local keys = require "kvgate.keys"
 
 local ngx = ngx
 local type = type
@@ -54,7 +55,7 @@ _M.LOOKUPS = "kvgate_semantic_lookups_total"
 _M.LATENCY = "kvgate_semantic_lookup_seconds"
 _M.REJECTED = "kvgate_semantic_guard_rejections_total"
 _M.INSERTS = "kvgate_semantic_inserts_total"
-_M.TAG_PREFIX = "kvgate:tag:"       -- a set per tag of the exact-cache keys that carry it
+_M.TAG_PREFIX = keys.TAG_PREFIX     -- a set per tag of the exact-cache keys that carry it
 _M.TAGS_HEADER = "x-kvgate-cache-tags"
 _M.MAX_TAGS = 8
 _M.MAX_TAG_BYTES = 64

@@ -6,8 +6,6 @@ entries through the runtime push, without a reload."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import requests
 
@@ -25,13 +23,15 @@ def ask(fleet: Fleet, text: str, headers: dict | None = None) -> requests.Respon
     return requests.post(fleet.gateway + "/v1/chat/completions", json=body, headers=headers or {}, timeout=30)
 
 
-def wait_semantic(fleet: Fleet, text: str) -> requests.Response:
-    """The paraphrase until it is a SEMANTIC hit (the insert goes from a timer, then an embedding)."""
-    def hit():
-        r = ask(fleet, text)
-        return r if r.headers.get("X-Kvgate-Cache") == "SEMANTIC" else None
+def wait_inserts(fleet: Fleet, n: int) -> None:
+    """Until the gateway has sent ``n`` semantic inserts the service took (they go from the store's
+    timer after the answer): asking the paraphrase earlier would make it a miss of its own."""
+    def done() -> bool:
+        text = requests.get(f"http://127.0.0.1:{fleet.internal_port}/metrics", timeout=5).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("kvgate_semantic_inserts_total{") and 'result="ok"' in line) >= n
 
-    return wait_until(hit, "a semantic hit", timeout=10)
+    wait_until(done, f"{n} semantic inserts", timeout=10)
 
 
 def test_tags_and_knowledge_version_retire_semantic_answers(control_fleet) -> None:
@@ -48,19 +48,23 @@ def test_tags_and_knowledge_version_retire_semantic_answers(control_fleet) -> No
     # the real service: a seeded question, its paraphrase answered from the cache
     first = ask(fleet, QUESTION, headers={"X-Kvgate-Cache-Tags": "doc-2fa"})
     assert first.status_code == 200 and first.headers["X-Kvgate-Cache"] == "MISS"
-    hit = wait_semantic(fleet, PARAPHRASE)
+    wait_inserts(fleet, 1)
+    hit = ask(fleet, PARAPHRASE)
+    assert hit.headers["X-Kvgate-Cache"] == "SEMANTIC", hit.headers
     assert float(hit.headers["X-Kvgate-Similarity"]) >= 0.9
     assert hit.json() == first.json()
     # an unrelated question and a negation miss
     assert ask(fleet, "How do I disable two-factor authentication?").headers["X-Kvgate-Cache"] == "MISS"
+    wait_inserts(fleet, 2)  # (the negation's own answer, inserted too)
 
     # the tag: exact and semantic entries go
     out = fleet.kvgate("cache", "invalidate", "--tag", "doc-2fa")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "tag doc-2fa: 1 exact entries removed, 1 semantic" in out.stdout, out.stdout
-    assert ask(fleet, QUESTION).headers["X-Kvgate-Cache"] == "MISS"  # recomputed (and stored again, untagged)
-    time.sleep(0.3)
-    hit = wait_semantic(fleet, PARAPHRASE)
+    assert ask(fleet, PARAPHRASE).headers["X-Kvgate-Cache"] == "MISS"  # computed, stored and inserted again
+    wait_inserts(fleet, 3)
+    again = ask(fleet, "How do I enable two-factor authentication")
+    assert again.headers["X-Kvgate-Cache"] == "SEMANTIC", again.headers
 
     # the knowledge version: pushed as runtime (no reload), every semantic answer of the pool retired
     loads = fleet.in_force()["loads"]
@@ -69,10 +73,10 @@ def test_tags_and_knowledge_version_retire_semantic_answers(control_fleet) -> No
     assert "pool default: knowledge version 1 -> 2" in out.stdout, out.stdout
     assert fleet.in_force()["runtime"]["cache"]["knowledge"] == {"default": 2}
     assert fleet.in_force()["loads"] == loads, "a push, not a reload"
-    r = ask(fleet, PARAPHRASE)
+    r = ask(fleet, "how do I enable two-factor authentication?")
     assert r.headers["X-Kvgate-Cache"] == "MISS", r.headers
-    # the exact cache is not the knowledge version's: the question itself still hits exactly
-    assert ask(fleet, QUESTION).headers["X-Kvgate-Cache"] == "HIT"
+    # the exact cache is not the knowledge version's: a question asked before still hits exactly
+    assert ask(fleet, PARAPHRASE).headers["X-Kvgate-Cache"] == "HIT"
 
     # the admin Cache page lists the pool's version and bumps it (JSON for a Bearer client)
     page = fleet.api("GET", "/admin/cache", headers={"Accept": "text/html"})

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..fleet.events import EventKind
+from ..keys import TAG_PREFIX  # the gateway's sets of exact-cache keys per tag
 from .store import StoreError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,8 +34,6 @@ log = logging.getLogger(__name__)
 
 KNOWLEDGE_KEY = "knowledge_max"
 """The store's record (under ``kvgate:control:``) of pool → the highest knowledge_version in force (JSON)."""
-TAG_PREFIX = "kvgate:tag:"
-"""The gateway's sets of exact-cache keys per tag (lua/kvgate/semantic.lua ``TAG_PREFIX``)."""
 SERVICE_TIMEOUT_S = 5.0
 MAX_TAG_BYTES = 64
 
