@@ -387,9 +387,7 @@ def serve(cache: SemanticCache, listen: str, policy_path: Path | None = None, wo
     log.info("semantic: %d entries from Redis", n)
     threading.Thread(target=cache.follow, name="semantic-follow", daemon=True).start()
     if policy_path is not None:
-        from kvgate.policy import load_policy
-
-        cache.load_policy(load_policy(policy_path), policy_path)  # before the first request
+        cache.load_policy(_read_policy(policy_path), policy_path)  # before the first request
         threading.Thread(target=_watch_policy, args=(cache, policy_path), name="semantic-policy", daemon=True).start()
     app = make_app(cache, workers)
     try:
@@ -431,13 +429,19 @@ async def _serve(app: web.Application, listen: str) -> None:
             pass
 
 
-def _watch_policy(cache: SemanticCache, policy_path: Path) -> None:
-    from kvgate.policy import load_policy
+def _read_policy(policy_path: Path):
+    """The policy without the loader's static-answers check: a bad FAQ file is reported per pool
+    on /health (and the previous version kept), not a reason to stop following the policy."""
+    from kvgate.policy.loader import parse_policy_text
 
+    return parse_policy_text(policy_path.read_text(encoding="utf-8"), str(policy_path))
+
+
+def _watch_policy(cache: SemanticCache, policy_path: Path) -> None:
     seen: dict[str, float] = {}
     while not cache._stop.is_set():
         try:
-            policy = load_policy(policy_path)
+            policy = _read_policy(policy_path)
             files = [str(policy_path)] + [
                 str((policy_path.parent / p.semantic.static_answers)) for p in policy.pools if p.semantic.static_answers]
             stamp = {f: os.path.getmtime(f) for f in files if os.path.exists(f)}
