@@ -178,3 +178,36 @@ def test_static_answers_reload_with_their_file(services, tmp_path: Path) -> None
     _wait(lambda: c.lookup("default", SCOPE, "What are your opening hours?", None, static=True)["answer"]
           == "Now 8:00-20:00.", 10, "the new file answering")
     assert c.health()["static_errors"] == {}
+
+
+def test_kvgate_up_starts_it_only_for_pools_that_use_it(tmp_path: Path, start_redis) -> None:
+    """The stack's part (kvgate up → Stack.start_semantic): started with the policy when a pool
+    has the semantic cache or static answers, kept while the policy's path holds, stopped when
+    no pool uses it."""
+    from kvgate.policy import load_policy
+    from kvgate.stack import Stack
+
+    redis = start_redis()
+    policy_path = write_policy(tmp_path, redis)
+    stack = Stack(tmp_path / "run")
+    stack.logs.mkdir(parents=True)  # as `kvgate up` makes them
+    stack.pids.mkdir(parents=True, exist_ok=True)
+    try:
+        assert stack.start_semantic(policy_path, load_policy(policy_path)) == "started"
+        client = SemanticClient(f"unix:{tmp_path / 'run' / 'semantic.sock'}")
+
+        def ready() -> bool:
+            try:
+                return client.health()["static"] == {"default": 3}
+            except OSError:
+                return False
+
+        _wait(ready, 60, "the semantic service of kvgate up")
+        assert stack.start_semantic(policy_path, load_policy(policy_path)) == "running"
+        off = tmp_path / "off.yaml"
+        off.write_text(policy_path.read_text().replace("semantic: {enabled: true, static_answers: faq.yaml}",
+                                                       "semantic: {enabled: false}"))
+        assert stack.start_semantic(off, load_policy(off)) == "stopped"
+        assert stack.start_semantic(off, load_policy(off)) == "disabled"
+    finally:
+        stack._stop_pid("semantic")
