@@ -102,11 +102,13 @@ def filler_texts(n: int, seed: int = 7) -> list[str]:
 
 
 def _start_redis(base: Path) -> tuple[subprocess.Popen, int]:
+    import socket
+
     import redis
 
-    from kvgate.bench.gateway import _free_port
-
-    port = _free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     exe = shutil.which("redis-server") or "/usr/bin/redis-server"
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(base)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
