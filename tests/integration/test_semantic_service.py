@@ -102,6 +102,11 @@ def test_insert_lookup_guards_scope_and_ttls(services) -> None:
     # below the threshold: a miss with no guard named
     miss = c.lookup("default", SCOPE, "Which courier do you use?", 0.9)
     assert miss == {**miss, "hit": None, "rejected": None}
+    # past the model's 256 tokens only the beginning would be compared: never stored nor served
+    long_q = "Please review this contract clause by clause. " * 60
+    c.insert("default", SCOPE, long_q + "Is clause nine fair?", "kvgate:cache:long", ttl_s=600)
+    no = c.lookup("default", SCOPE, long_q + "Is clause ten fair?", 0.9)
+    assert no["hit"] is None and no["rejected"] == "length"
     # every key the semantic cache wrote has a TTL
     keys = list(r.scan_iter("kvgate:sem:*"))
     assert len(keys) == 3  # two entries and the tag's set

@@ -89,10 +89,18 @@ class Embedder:
         """Embed one text → vector ``(384,)`` float32 of norm 1."""
         return self._embed_batch([text])[0]
 
-    def _embed_batch(self, texts: list[str]) -> np.ndarray:
+    def embed_checked(self, text: str) -> tuple[np.ndarray, bool]:
+        """``(vector, truncated)``: ``truncated`` when the text is longer than the model reads
+        (256 tokens) — two such texts that differ only past that point embed the same."""
+        trunc: list[bool] = []
+        return self._embed_batch([text], trunc)[0], trunc[0]
+
+    def _embed_batch(self, texts: list[str], truncated: list[bool] | None = None) -> np.ndarray:
         with self._tok_lock:
             self._tok.enable_padding()
             encs = self._tok.encode_batch(texts)
+        if truncated is not None:
+            truncated.extend(bool(e.overflowing) for e in encs)
         ids = np.array([e.ids for e in encs], dtype=np.int64)
         mask = np.array([e.attention_mask for e in encs], dtype=np.int64)
         feed = {"input_ids": ids, "attention_mask": mask}

@@ -69,14 +69,18 @@ class SemanticCache:
         self.static: dict[str, StaticAnswers] = {}
         self.static_errors: dict[str, str] = {}
         self.thresholds: dict[str, float] = {}
+        self.timeouts: dict[str, float] = {}  # pool -> the gateway's lookup timeout (s)
         self._stop = threading.Event()
         self.registry = CollectorRegistry()
         self.m_lookups = Counter("kvgate_semantic_service_lookups_total", "Lookups by pool and result "
-                                 "(semantic, static, miss, rejected)", ["pool", "result"], registry=self.registry)
+                                 "(semantic, static, miss, rejected, late)", ["pool", "result"], registry=self.registry)
         self.m_rejections = Counter("kvgate_semantic_service_guard_rejections_total",
                                     "Candidates above the threshold refused by a guard", ["pool", "guard"],
                                     registry=self.registry)
         self.m_inserts = Counter("kvgate_semantic_service_inserts_total", "Entries inserted", ["pool"],
+                                 registry=self.registry)
+        self.m_skipped = Counter("kvgate_semantic_service_inserts_skipped_total",
+                                 "Inserts not stored (length: longer than the model's 256 tokens)", ["pool", "reason"],
                                  registry=self.registry)
         self.m_latency = Histogram("kvgate_semantic_service_lookup_seconds", "Lookup time in the service",
                                    buckets=(.002, .005, .01, .015, .02, .03, .05, .1, .25), registry=self.registry)
@@ -179,6 +183,7 @@ class SemanticCache:
         base = Path(policy_path).parent
         for pool in policy.pools:
             self.thresholds[pool.name] = pool.semantic.similarity_min
+            self.timeouts[pool.name] = pool.semantic.timeout_ms / 1000
             name = pool.semantic.static_answers
             if not name:
                 self.static.pop(pool.name, None)
@@ -198,20 +203,26 @@ class SemanticCache:
 
     # ------------------------------------------------------------ the protocol
     def lookup(self, pool: str, scope: str, text: str, threshold: float | None = None,
-               static: bool = False, semantic: bool = True) -> dict:
-        """The protocol's /lookup (see the module doc); ``ms`` is the time spent here."""
+               static: bool = False, semantic: bool = True, arrived: float | None = None) -> dict:
+        """The protocol's /lookup (see the module doc); ``ms`` is the time spent here.
+        ``arrived`` (``time.monotonic()`` when the request came in): a lookup that waited for a
+        thread longer than the pool's ``timeout_ms`` is answered as a miss at once — the gateway
+        has given up on it, and an overloaded service should not spend a core on it."""
         t0 = time.perf_counter()
+        if arrived is not None and time.monotonic() - arrived > self.timeouts.get(pool, 0.05):
+            self.m_lookups.labels(pool, "late").inc()
+            return {"hit": None, "similarity": None, "entry": None, "answer": None, "rejected": None, "ms": 0.0}
         threshold = threshold if threshold is not None else self.thresholds.get(pool, 0.92)
         res = {"hit": None, "similarity": None, "entry": None, "answer": None, "rejected": None}
-        vec = None
+        vec, long_text = None, False
         sa = self.static.get(pool) if static else None
         if sa is not None:
             qi = sa.exact.get(normalize(text))
             if qi is not None:
                 res.update(hit="static", similarity=1.0, answer=sa.answers[sa.qa[qi]])
             else:
-                vec = self.embedder.embed_one(text)
-                sims = sa.vectors @ vec
+                vec, long_text = self.embedder.embed_checked(text)
+                sims = sa.vectors @ vec if not long_text else np.zeros(0)
                 for qi in np.argsort(-sims)[:CANDIDATES]:
                     if sims[qi] < sa.similarity_min:
                         break
@@ -224,7 +235,13 @@ class SemanticCache:
                     break
         if res["hit"] is None and semantic:
             if vec is None:
-                vec = self.embedder.embed_one(text)
+                vec, long_text = self.embedder.embed_checked(text)
+        if res["hit"] is None and long_text:
+            # past the model's 256 tokens the rest of the text is not in the vector: a similarity
+            # would compare beginnings only, so such a question is answered exactly or not at all
+            res["rejected"] = "length"
+            self.m_rejections.labels(pool, "length").inc()
+        elif res["hit"] is None and semantic:
             with self.lock:
                 cands = self.index.search(f"{pool}\0{scope}", vec, CANDIDATES)
                 cands = [(k, s, self.meta.get(k)) for k, s in cands]
@@ -255,11 +272,15 @@ class SemanticCache:
         return res
 
     def insert(self, pool: str, scope: str, text: str, entry: str, ttl_s: int | None = None,
-               tags: list[str] | None = None, vec: np.ndarray | None = None) -> str:
-        """The protocol's /insert: embed, write to Redis with the TTL, add to the index. Returns the key."""
+               tags: list[str] | None = None, vec: np.ndarray | None = None) -> str | None:
+        """The protocol's /insert: embed, write to Redis with the TTL, add to the index. Returns the
+        key, or None for a text longer than the model reads (256 tokens), which is not stored."""
         ttl = int(ttl_s or self.default_ttl_s)
         if vec is None:
-            vec = self.embedder.embed_one(text)
+            vec, long_text = self.embedder.embed_checked(text)
+            if long_text:  # never found by similarity (see lookup): not stored
+                self.m_skipped.labels(pool, "length").inc()
+                return None
         key = self.store.put(pool, scope, text, entry, vec, ttl, list(tags or []), self.model)
         self._add(key, text, entry, vec, time.time() + ttl)
         self.m_inserts.labels(pool).inc()
@@ -341,12 +362,13 @@ def make_app(cache: SemanticCache, workers: int = 4) -> web.Application:
             return _error(503, "the semantic cache's Redis is unavailable", code="redis_unavailable")
 
     async def lookup(request):
+        arrived = time.monotonic()
         b = await body_of(request)
         thr = _field(b, "threshold", float, required=False)
         if thr is not None and not 0.5 <= thr <= 1.0:
             raise BadRequest("`threshold` is a cosine similarity in [0.5, 1.0]", "threshold")
         args = (_field(b, "pool", str), _field(b, "scope", str), _field(b, "text", str), thr,
-                _field(b, "static", bool, False, False), _field(b, "semantic", bool, False, True))
+                _field(b, "static", bool, False, False), _field(b, "semantic", bool, False, True), arrived)
         return web.json_response(await run(cache.lookup, *args))
 
     async def insert(request):
