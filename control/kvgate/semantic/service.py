@@ -119,8 +119,14 @@ class SemanticCache:
                     continue
             self._add(e.key, e.text, e.entry, e.vec, e.expires_at)
         with self.lock:
-            for key in [k for k in self.meta if k not in seen]:
-                self._remove(key)
+            gone = [k for k in self.meta if k not in seen]
+        if gone:  # inserted while the scan ran, or really gone: ask Redis
+            p = self.store.r.pipeline(transaction=False)
+            for k in gone:
+                p.exists(k)
+            for k, alive in zip(gone, p.execute()):
+                if not alive:
+                    self._remove(k)
         return len(seen)
 
     def sweep(self) -> None:
@@ -136,14 +142,17 @@ class SemanticCache:
                 self._expiry = [(m[2], k) for k, m in self.meta.items()]
                 heapq.heapify(self._expiry)
 
-    def follow(self) -> None:
-        """Apply the other services' inserts and removals (pub/sub), sweep, rescan; until :meth:`stop`."""
+    def follow(self, rebuilt: bool = False) -> None:
+        """Apply the other services' inserts and removals (pub/sub), sweep, rescan; until :meth:`stop`.
+        ``rebuilt``: the index was just rebuilt (no scan at the first subscription)."""
         last_scan = time.monotonic()
         while not self._stop.is_set():
             try:
                 ps = self.store.r.pubsub(ignore_subscribe_messages=True)
                 ps.subscribe("kvgate:sem:events")
-                self.rebuild()  # what was missed while not subscribed
+                if not rebuilt:
+                    self.rebuild()  # what was missed while not subscribed
+                rebuilt = False
                 while not self._stop.is_set():
                     msg = ps.get_message(timeout=1.0)
                     if msg:
@@ -155,6 +164,9 @@ class SemanticCache:
                 ps.close()
             except redis.RedisError as exc:
                 log.warning("semantic: Redis: %s; retrying in 1 s", exc)
+                self._stop.wait(1.0)
+            except Exception:  # never let the follower die: the index would go stale silently
+                log.exception("semantic: following Redis failed; retrying in 1 s")
                 self._stop.wait(1.0)
 
     def _event(self, data: bytes) -> None:
@@ -407,6 +419,8 @@ def serve(cache: SemanticCache, listen: str, policy_path: Path | None = None, wo
     loopback only) until SIGTERM/SIGINT."""
     n = cache.rebuild()
     log.info("semantic: %d entries from Redis", n)
+    # the follower scans once more after it subscribed (in the background, serving meanwhile): an
+    # insert announced between the rebuild above and the subscription is not missed
     threading.Thread(target=cache.follow, name="semantic-follow", daemon=True).start()
     if policy_path is not None:
         cache.load_policy(_read_policy(policy_path), policy_path)  # before the first request
