@@ -267,14 +267,15 @@ def _prices(prices: PricesConfig) -> dict[str, Any]:
 
 
 SEMANTIC_SOCKET = "semantic.sock"
-"""The semantic service's default socket, in the run dir (``semantic_service.listen: null``)."""
+"""A socket name in the run dir, for a policy whose ``semantic_service.listen`` is empty (older
+policies; the field defaults to a loopback port now)."""
 
 
 def semantic_listen(policy: Policy, run_dir: Path | None) -> str:
     """Where the gateway reaches the semantic service (``kvgate semantic`` listens there):
-    ``semantic_service.listen`` as written, else ``unix:<run dir>/semantic.sock`` (absolute; the
-    run dir is the nginx prefix's parent, :class:`kvgate.rundir.RunDir`). ``run_dir=None`` and no
-    listen in the policy: ``""``, which the Lua reads as ``unix:<nginx prefix>/../semantic.sock``."""
+    ``semantic_service.listen`` as written (default ``127.0.0.1:9096``); an empty one falls back
+    to ``unix:<run dir>/semantic.sock`` (the run dir is the nginx prefix's parent), or with
+    ``run_dir=None`` to ``""``, which the Lua reads as ``unix:<nginx prefix>/../semantic.sock``."""
     listen = policy.semantic_service.listen
     if listen:
         return listen

@@ -46,6 +46,7 @@ def write_policy(base: Path, redis: RedisServer, static: str | None = None) -> P
                    "    answer: 'Yes, for 3 euros an item.'\n")
     p = base / "policy.yaml"
     p.write_text(f"version: 1\nredis: {{url: '{redis.url}', managed: false}}\n"
+                 f"semantic_service: {{listen: 'unix:{base / 'run' / 'semantic.sock'}'}}\n"
                  "pools:\n  - name: default\n    models: [m]\n    nodes: [{id: n1, url: 'http://127.0.0.1:9'}]\n"
                  f"    semantic: {{enabled: true, static_answers: {static or 'faq.yaml'}}}\n")
     return p
@@ -60,9 +61,11 @@ def services(tmp_path: Path, start_redis):
     def start(name: str = "a") -> Service:
         run_dir = tmp_path / f"run-{name}"
         log = tmp_path / f"semantic-{name}.log"
+        listen = f"unix:{run_dir / 'semantic.sock'}"  # the root test runner reaches it (nginx's nobody would not)
         proc = subprocess.Popen([sys.executable, "-m", "kvgate", "--run-dir", str(run_dir), "semantic",
-                                 "--policy", str(policy)], stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-        svc = Service(proc, f"unix:{run_dir / 'semantic.sock'}", log)
+                                 "--policy", str(policy), "--listen", listen],
+                                stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+        svc = Service(proc, listen, log)
         started.append(svc)
 
         def ready() -> bool:

@@ -32,8 +32,8 @@ def listen_of(policy, run_dir: Path | None) -> str:
 @click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
               help="The policy: Redis, semantic_service (listen, index, max_entries), the pools' static answers "
                    "(reloaded when the policy or a static file changes).")
-@click.option("--listen", default=None, help="unix:/path.sock or 127.0.0.1:PORT [default: the policy's, else "
-                                             "unix:<run dir>/semantic.sock].")
+@click.option("--listen", default=None, help="unix:/path.sock or 127.0.0.1:PORT [default: the policy's "
+                                             "semantic_service.listen].")
 @click.option("--redis-url", default=None, help="Override the policy's redis.url.")
 @click.option("--workers", type=click.IntRange(1, 64), default=4, show_default=True,
               help="Threads that embed and search.")
