@@ -31,6 +31,7 @@ tenants:
   - {id: default}
   - {id: fruit-a, name: Fruit A}
   - {id: fruit-b, name: Fruit B}
+  - {id: narrow, name: One request at a time, limits: {concurrency: 1}}
 batch: {max_in_flight: 8, max_in_flight_per_node: 4, poll_interval_s: 0.2, retry_backoff_s: 0.2, lease_s: 2,
         completion_windows: ["24h", "1h"]}
 """
@@ -44,7 +45,7 @@ PRICES = """
 def stack(control_fleet_module):  # noqa: F811
     fleet = control_fleet_module(n=2, gateway_extra=", auth: required", extra=TENANTS, pool_extra=PRICES)
     keys = {}
-    for t in ("fruit-a", "fruit-b"):
+    for t in ("fruit-a", "fruit-b", "narrow"):
         r = fleet.api("POST", "/api/v1/keys", json={"tenant": t, "name": "e2e"})
         assert r.status_code == 201, r.text
         keys[t] = r.json()["secret"]
@@ -213,3 +214,21 @@ def test_worker_and_control_plane_killed_mid_batch_nothing_runs_twice(stack):
     wait_until(lambda: sum(stack.engine_counter(n) for n in nodes) - before >= 30, "the engines' counters")
     time.sleep(0.5)
     assert sum(stack.engine_counter(n) for n in nodes) - before == 30
+
+
+def test_a_tenants_own_rate_limit_slows_its_batch_and_fails_no_line(stack):
+    """The worker sends up to 8 lines at once; tenant `narrow` may have one request in flight.
+    The gateway refuses the others (429 rate_limit_exceeded, Retry-After): the worker waits for
+    the tenant's limit instead of spending the lines' attempts, and every line completes."""
+    def refused() -> float:
+        text = requests.get(f"http://127.0.0.1:{stack.internal_port}/metrics", timeout=5).text
+        return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                   if x.startswith("kvgate_ratelimited_total{") and 'tenant="narrow"' in x)
+
+    c = client(stack, "narrow")
+    lines = [line(f"n-{i}", f"one at a time, line {i}", max_tokens=30) for i in range(12)]
+    b = run_to_end(c, c.batches.create(input_file_id=upload(c, lines).id, endpoint="/v1/chat/completions",
+                                       completion_window="24h").id, timeout=90)
+    assert b.status == "completed", b
+    assert (b.request_counts.completed, b.request_counts.failed) == (12, 0)
+    assert refused() > 0, "the limit was never reached: the test proves nothing"

@@ -198,9 +198,29 @@ class WorkerMetrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 1024), registry=r)
         self.batches = Counter("kvgate_batch_batches", "Batches this worker finished, by final status.",
                                ["result"], registry=r)
+        self.rate_limited = Counter("kvgate_batch_rate_limited", "Lines the gateway refused for their tenant's own "
+                                    "rate limit (retried after Retry-After, not counted as attempts).",
+                                    ["tenant"], registry=r)
 
 
 # ---------------------------------------------------------------------------- helpers
+def rate_limit_wait(status: int, headers: Mapping[str, str], payload: Any) -> float | None:
+    """Seconds to wait when the gateway refused a line for the tenant's own rate limit (429
+    ``rate_limit_exceeded`` with ``Retry-After``; kvgate.limits), else None. A 429 without
+    ``Retry-After`` (a request larger than the bucket: waiting never helps) is None too."""
+    if status != 429:
+        return None
+    code = payload.get("error", {}).get("code") if isinstance(payload, dict) else None
+    after = headers.get("Retry-After")
+    if code != "rate_limit_exceeded" or after is None:
+        return None
+    try:
+        wait = float(after)
+    except ValueError:
+        return None
+    return min(max(wait, 0.05), 300.0)
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -284,6 +304,9 @@ class Runner:
         self.batches: dict[str, _Batch] = {}
         self.tasks: dict[tuple[str, int], asyncio.Task] = {}
         self.node_busy: dict[str, int] = {}
+        self.tenant_hold: dict[str, float] = {}
+        """Tenant → monotonic time before which no new line of theirs starts (their own rate
+        limit answered 429 with Retry-After: the batch waits for the bucket, it does not fail)."""
         self._claim = r.register_script(_CLAIM)
         self._renew = r.register_script(_RENEW)
         self._record = r.register_script(_RECORD)
@@ -462,6 +485,8 @@ class Runner:
 
     def _dispatch(self, rec: dict[str, str], loads: Mapping[str, float]) -> None:
         bid = rec["id"]
+        if self.tenant_hold.get(rec["tenant"], 0.0) > time.monotonic():
+            return  # the tenant's rate limit is spent: its lines wait for the bucket
         b = self.batches.get(bid)
         if b is None:
             b = self.batches[bid] = _Batch(bid, rec, nodes=sorted(self.r.smembers(records.run_prefix(bid) + "nodes")))
@@ -545,20 +570,35 @@ class Runner:
                 result = {"ok": 200 <= resp.status < 300, "status_code": resp.status,
                           "request_id": resp.headers.get("X-Request-Id"), "body": payload}
                 transient = resp.status >= 500 or resp.status in TRANSIENT
+                limited = rate_limit_wait(resp.status, resp.headers, payload)
         except asyncio.CancelledError:
             raise
         except (asyncio.TimeoutError, aiohttp.ClientError, OSError) as exc:
+            limited = None
             code = "request_timeout" if isinstance(exc, asyncio.TimeoutError) else "connection_error"
             result = {"ok": False, "status_code": None, "request_id": None, "body": None,
                       "error": {"code": code, "message": f"The request through the gateway failed: "
                                 f"{type(exc).__name__}{': ' + str(exc) if str(exc) else ''}"}}
             transient = True
         except Exception as exc:  # a line we cannot even build (the input file vanished)
+            limited = None
             log.exception("batch %s line %d", b.id, line)
             result = {"ok": False, "status_code": None, "request_id": None, "body": None,
                       "error": {"code": "internal_error", "message": f"kvgate could not send this line: {exc}"}}
         retry_at = ""
-        if transient and not result["ok"]:
+        if limited is not None:
+            # the tenant's own limit: not a failure of the line. Every line of the tenant waits
+            # for the bucket (Retry-After), and the retry does not count against max_attempts:
+            # the completion window bounds how long a batch may wait.
+            self.limit.cut()
+            self.tenant_hold[tenant] = max(self.tenant_hold.get(tenant, 0.0), time.monotonic() + limited)
+            retry_at = str(_now_ms() + int(1000 * limited))
+            self.metrics.rate_limited.labels(tenant).inc()
+            try:
+                self.r.hincrby(records.run_prefix(b.id) + "att", str(line), -1)  # this send was no attempt
+            except redis.RedisError:
+                pass
+        elif transient and not result["ok"]:
             self.limit.cut()
             if attempt < cfg.max_attempts:
                 retry_at = str(_now_ms() + int(1000 * cfg.retry_backoff_s * 2 ** (attempt - 1)))
