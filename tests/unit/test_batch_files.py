@@ -38,6 +38,7 @@ def test_create_records_size_and_sha256_and_leaves_no_temp_file(store: FileStore
     h = store.record("t", f["id"])
     assert h["sha256"] == hashlib.sha256(data).hexdigest()
     assert store.path("t", f["id"]).read_bytes() == data
+    assert store.path("t", f["id"]).stat().st_mode & 0o777 == 0o600  # tenants' prompts: kvgate's user only
     assert [p.name for p in store.dir.iterdir()] == [f["id"]]
     with pytest.raises(FileTooLarge):
         store.create("t", io.BytesIO(data + b"x"), "big.jsonl", "batch", max_bytes=len(data))

@@ -98,3 +98,14 @@ def test_limits():
 def test_errors_capped():
     v = run(*["x"] * (MAX_ERRORS + 50))
     assert len(v.errors) == MAX_ERRORS
+
+
+def test_a_byte_order_mark_and_crlf_are_not_content():
+    data = ("\ufeff" + line("a") + "\r\n" + line("b") + "\r\n").encode()
+    v = validate_input(data, endpoint=CHAT, policy=policy(), tenant="acme")
+    assert v.ok and [ln.custom_id for ln in v.lines] == ["a", "b"]
+
+
+def test_a_file_that_fails_counts_no_request():
+    v = run(*[line(f"r{i}") for i in range(5)], pol=policy(max_lines=3))
+    assert not v.ok and v.errors[0]["code"] == "too_many_lines" and v.total == 0

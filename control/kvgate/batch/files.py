@@ -215,7 +215,8 @@ class FileStore:
         digest = hashlib.sha256()
         size = 0
         try:
-            with open(tmp, "xb") as out:
+            # 0600: tenants' prompts and answers, readable by kvgate's user only
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as out:
                 for b in chunks:
                     size += len(b)
                     if max_bytes is not None and size > max_bytes:

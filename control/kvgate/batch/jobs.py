@@ -94,8 +94,11 @@ class Batches:
         cfg = self.config()
         for name, value in (("input_file_id", input_file_id), ("endpoint", endpoint),
                             ("completion_window", completion_window)):
-            if not isinstance(value, str) or not value:
+            if value is None or value == "":
                 raise InvalidRequest(f"Missing required parameter: '{name}'.", name)
+            if not isinstance(value, str):
+                raise InvalidRequest(f"Invalid type for '{name}': expected a string, but got {type(value).__name__}.",
+                                     name)
         if endpoint not in records.ENDPOINTS:
             raise InvalidRequest(f"Invalid value for 'endpoint': {endpoint[:60]!r}. Supported values are: "
                                  + ", ".join(f"'{e}'" for e in records.ENDPOINTS) + ".", "endpoint")

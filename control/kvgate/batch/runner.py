@@ -536,7 +536,7 @@ class Runner:
                 data = fh.read()
             out: dict[int, tuple[str, dict[str, Any]]] = {}
             k = 0
-            for raw in data.decode("utf-8").split("\n"):
+            for raw in data.decode("utf-8-sig").split("\n"):  # as validate.py reads it
                 if not raw.strip():
                     continue
                 obj = json.loads(raw)

@@ -138,7 +138,7 @@ def validate_input(data: bytes, *, endpoint: str, policy: Policy, tenant: str) -
                    f"{cfg.max_file_bytes} bytes.", None))
         return out
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a leading byte-order mark (Windows editors write one) is not content
     except UnicodeDecodeError as exc:
         add(_error("invalid_file_encoding", f"The input file is not UTF-8 (byte {exc.start}).", None))
         return out
@@ -200,6 +200,7 @@ def validate_input(data: bytes, *, endpoint: str, policy: Policy, tenant: str) -
 
     out.total = index
     if errors:
+        out.total = 0  # a file that fails has no request to count (OpenAI's failed batches say 0)
         return out
     if not lines:
         add(_error("empty_file", "The input file has no request lines.", None))
