@@ -117,10 +117,11 @@ def status(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([p.__dict__ for p in parts], indent=2))
     else:
+        width = max(10, *(len(p.name) for p in parts))
         for p in parts:
             state = "healthy" if p.healthy else ("running, unhealthy" if p.pid else "down")
             pid = str(p.pid) if p.pid else "-"
-            click.echo(f"{p.name:<10} {state:<20} pid {pid:<8} {p.detail}")
+            click.echo(f"{p.name:<{width}} {state:<20} pid {pid:<8} {p.detail}")
     sys.exit(0 if all(p.healthy for p in parts) else 1)
 
 
