@@ -250,7 +250,8 @@ class Stack:
         rdir = self.dir.redis_dir
         rdir.mkdir(parents=True, exist_ok=True)
         res = subprocess.run(
-            [binary, "--bind", host, "--port", str(port), "--save", "", "--appendonly", "no",
+            [binary, "--bind", host, "--port", str(port), "--save", "",
+             *(("--appendonly", "yes", "--appendfsync", "everysec") if policy.redis.persist else ("--appendonly", "no")),
              "--daemonize", "yes", "--pidfile", str(self._pid_file("redis")),
              "--logfile", str(self.logs / "redis.log"), "--dir", str(rdir)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

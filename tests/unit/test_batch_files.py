@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -92,3 +93,14 @@ def test_the_data_directory_and_file_names(tmp_path: Path) -> None:
     assert clean_filename("a\x00b\n.jsonl") == "ab.jsonl"
     assert clean_filename("") == clean_filename("../") == "upload.jsonl"
     assert len(clean_filename("x" * 1000)) == 255
+
+
+def test_purge_orphans_removes_bytes_redis_no_longer_knows(store: FileStore) -> None:
+    kept = store.create("t", io.BytesIO(b'{"a": 1}\n'), "in.jsonl", "batch", max_bytes=100)
+    orphan = store.dir / "file-0123456789abcdef01234567"
+    orphan.write_bytes(b"lost with its record")
+    tmp = store.dir / ".tmp-file-x-1234"
+    tmp.write_bytes(b"half")
+    assert store.purge_orphans(min_age_s=3600) == 0  # young: a write may be in progress
+    assert store.purge_orphans(min_age_s=0, now=time.time() + 1) == 2
+    assert sorted(p.name for p in store.dir.iterdir()) == [kept["id"]]

@@ -368,6 +368,28 @@ class FileStore:
         return n
 
 
+    def purge_orphans(self, min_age_s: float = 3600.0, now: float | None = None) -> int:
+        """Remove files on disk that Redis no longer knows (a private Redis that kept nothing
+        across ``kvgate down``, or a crash between the bytes and their record) and half-written
+        temporaries, older than ``min_age_s`` → how many. Nothing can read such a file: without
+        its record it has no tenant. Raises redis.RedisError."""
+        t = now if now is not None else time.time()
+        if not self.dir.is_dir():
+            return 0
+        n = 0
+        for path in self.dir.iterdir():
+            try:
+                if t - path.stat().st_mtime < min_age_s:
+                    continue
+            except FileNotFoundError:
+                continue
+            name = path.name
+            if name.startswith(".tmp-") or (valid_file_id(name) and not self.r.exists(records.file_key(name))):
+                path.unlink(missing_ok=True)
+                n += 1
+        return n
+
+
 def _fsync_dir(d: Path) -> None:
     """Make a rename in ``d`` durable (POSIX: fsync of the folder)."""
     fd = os.open(d, os.O_RDONLY)

@@ -91,6 +91,8 @@ GLOBAL = records.PREFIX + "run:inflight"
 EXPIRES_GRACE_S = 600
 """The principal stays valid this long past the batch's expiry (contract: expires_at + 600)."""
 PRINCIPAL_HEADER = records.PRINCIPAL_HEADER
+SWEEP_S = 3600.0
+"""How often a worker removes files on disk that Redis no longer knows."""
 TRANSIENT = frozenset({408, 409, 425, 429})
 """Statuses retried besides every 5xx (429: limits; 408/425: timing)."""
 EXPIRED_ERROR = {"code": "batch_expired",
@@ -315,6 +317,17 @@ class Runner:
         self.session: aiohttp.ClientSession | None = None
 
     # ------------------------------------------------------------------ loop
+    def _sweep(self) -> None:
+        """Housekeeping, every SWEEP_S: files on disk without a record in Redis (and half-written
+        temporaries) older than an hour are removed (FileStore.purge_orphans)."""
+        try:
+            n = self.files.purge_orphans()
+        except (redis.RedisError, OSError) as exc:
+            log.warning("file sweep: %s", exc)
+            return
+        if n:
+            log.info("file sweep: removed %d files that Redis no longer knows", n)
+
     def stop(self) -> None:
         """Ask :meth:`run` to return (lines in flight are abandoned: their leases expire)."""
         self._stop.set()
@@ -327,8 +340,12 @@ class Runner:
         async with aiohttp.ClientSession(connector=connector) as session:
             self.session = session
             renew = asyncio.create_task(self._renew_loop())
+            next_sweep = 0.0
             try:
                 while not self._stop.is_set():
+                    if time.monotonic() >= next_sweep:
+                        next_sweep = time.monotonic() + SWEEP_S
+                        self._sweep()
                     try:
                         open_ids = self.round()
                     except redis.RedisError as exc:

@@ -203,6 +203,12 @@ class RedisConfig(_Strict):
     managed: bool = Field(
         True, description="`kvgate up` starts a private redis-server on this address when true."
     )
+    persist: bool = Field(
+        False, description="The private redis-server (`managed`) keeps its data in the run dir (append-only "
+        "file, fsync every second), so `kvgate down` and `up` keep node states, policy versions, API keys, "
+        "usage rollups and Batch API batches. false: it keeps nothing on disk and every `up` starts afresh. "
+        "An external Redis (`managed: false`) persists as it is configured.",
+    )
 
     @field_validator("url")
     @classmethod
