@@ -103,6 +103,11 @@ def test_sdk_unchanged_every_custom_id_once(stack):
         body = resp["body"]
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
         assert body["usage"]["prompt_tokens"] > 0
+    # OpenAI's model and usage: the succeeded lines' tokens summed
+    assert b.model == MODEL
+    assert b.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out) > 0
+    assert b.usage.output_tokens == sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out)
+    assert b.usage.total_tokens == b.usage.input_tokens + b.usage.output_tokens
     # the listing the SDK pages through
     assert b.id in [x.id for x in c.batches.list(limit=10).data]
 

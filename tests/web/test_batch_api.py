@@ -31,7 +31,7 @@ FILE_FIELDS = {"id", "object", "bytes", "created_at", "expires_at", "filename", 
 BATCH_FIELDS = {"id", "object", "endpoint", "errors", "input_file_id", "completion_window", "status",
                 "output_file_id", "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at",
                 "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at", "request_counts",
-                "metadata"}
+                "metadata", "model", "usage"}
 
 
 def policy(auth: str = "required", *, enabled: bool = True):

@@ -57,7 +57,27 @@ TIME_FIELDS = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "c
                "expired_at", "cancelling_at", "cancelled_at")
 COUNT_FIELDS = ("total", "completed", "failed")
 BATCH_FIELDS = ("id", "tenant", "endpoint", "input_file_id", "completion_window", "status", *TIME_FIELDS,
-                "output_file_id", "error_file_id", "errors", "metadata", *COUNT_FIELDS)
+                "output_file_id", "error_file_id", "errors", "metadata", *COUNT_FIELDS, "model", "usage")
+"""``model``: the model the lines asked for (the first line's; set by validation); ``usage``: JSON
+of the succeeded lines' tokens summed at the end, OpenAI's shape (:func:`usage_of`)."""
+
+
+def usage_of(bodies: Iterable[Any]) -> dict[str, Any]:
+    """OpenAI's batch ``usage`` summed over answer bodies (chat/completions/embeddings):
+    ``{"input_tokens", "input_tokens_details": {"cached_tokens"}, "output_tokens",
+    "output_tokens_details": {"reasoning_tokens"}, "total_tokens"}``; a body without ``usage``
+    counts 0."""
+    inp = cached = out = reasoning = 0
+    for body in bodies:
+        u = body.get("usage") if isinstance(body, dict) else None
+        if not isinstance(u, dict):
+            continue
+        inp += int(u.get("prompt_tokens") or 0)
+        out += int(u.get("completion_tokens") or 0)
+        cached += int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        reasoning += int((u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
+    return {"input_tokens": inp, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": out,
+            "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": inp + out}
 
 
 def batch_key(batch_id: str) -> str:
@@ -188,6 +208,7 @@ def to_openai(h: Mapping[str, str]) -> dict[str, Any]:
         "id": h["id"],
         "object": "batch",
         "endpoint": h.get("endpoint", ""),
+        "model": h.get("model") or None,
         "errors": {"object": "list", "data": errors} if errors else None,
         "input_file_id": h.get("input_file_id", ""),
         "completion_window": h.get("completion_window", ""),
@@ -197,6 +218,7 @@ def to_openai(h: Mapping[str, str]) -> dict[str, Any]:
         **{f: _int_or_none(h.get(f)) for f in TIME_FIELDS},
         "request_counts": {f: int(h.get(f) or 0) for f in COUNT_FIELDS},
         "metadata": json.loads(h["metadata"]) if h.get("metadata") else None,
+        "usage": json.loads(h["usage"]) if h.get("usage") else None,
     }
 
 

@@ -482,8 +482,9 @@ class Runner:
                 p.execute()
             for _ in v.refused:
                 self.metrics.lines.labels(rec["tenant"], "failed").inc()
+            model = next((ln.body.get("model") for ln in v.lines), "")
             if records.transition(self.r, bid, records.IN_PROGRESS, allowed_from=[records.VALIDATING],
-                                  fields={"total": v.total}):
+                                  fields={"total": v.total, "model": model}):
                 log.info("batch %s: %d lines in %d groups on %d nodes (%d refused)", bid, v.total,
                          len(sched.sizes), len(sched.queues), len(v.refused))
         finally:
@@ -705,7 +706,8 @@ class Runner:
             if err_lines:
                 err_id = self.files.write_output(tenant, f"{bid}_error.jsonl", err_lines, file_id=ids["error"])["id"]
             fields = {"output_file_id": out_id, "error_file_id": err_id, "completed": len(ok_lines),
-                      "failed": len(err_lines), "total": total}
+                      "failed": len(err_lines), "total": total,
+                      "usage": records.usage_of(x["response"]["body"] for x in ok_lines if x["response"])}
             if final == records.COMPLETED:
                 done = records.transition(self.r, bid, records.COMPLETED, allowed_from=[records.FINALIZING],
                                           fields=fields)
