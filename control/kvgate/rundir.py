@@ -102,7 +102,9 @@ class RunDir:
             PolicyError: the copy no longer validates (a newer kvgate with stricter rules).
         """
         if self.running_policy_file.exists():
-            return load_policy(self.running_policy_file)
+            # relative file names (static_answers) are the operator's file's, not the copy's
+            original = self.policy_path()
+            return load_policy(self.running_policy_file, files_base=original.parent if original else None)
         return None
 
     def record_running(self, policy_path: Path) -> None:

@@ -86,3 +86,20 @@ def test_client_resolves_from_the_run_dir(tmp_path, monkeypatch) -> None:
     rd.record_running(src)
     assert resolve(rd.root) == ("http://127.0.0.1:19999", "tok")
     assert resolve(rd.root, url="http://h:1/", token="t") == ("http://h:1", "t")
+
+
+def test_the_running_copy_reads_relative_static_answers_from_the_operators_folder(tmp_path):
+    """The run dir's copy of a policy naming `static_answers: faq.yaml` (relative, as the docs
+    show) reads the FAQ next to the operator's file, not in the run dir (kvgate status, up)."""
+    from kvgate.rundir import RunDir
+
+    src = tmp_path / "mine"
+    src.mkdir()
+    (src / "faq.yaml").write_text("answers:\n  - questions: ['When are you open?']\n    answer: '9 to 5.'\n")
+    (src / "p.yaml").write_text("version: 1\npools:\n  - name: p\n    models: [m]\n"
+                                "    nodes: [{id: n1, url: 'http://127.0.0.1:9'}]\n"
+                                "    semantic: {enabled: true, static_answers: faq.yaml}\n")
+    rd = RunDir(tmp_path / "run")
+    rd.root.mkdir()
+    rd.record_running(src / "p.yaml")
+    assert rd.load_running_policy().pools[0].semantic.static_answers == "faq.yaml"

@@ -191,8 +191,12 @@ def parse_policy_text(text: str, source: str = "<policy>") -> Policy:
     return parse_policy(data, source)
 
 
-def load_policy(path: str | Path) -> Policy:
-    """Read and validate a policy file. Raises :class:`PolicyError` (also for an unreadable file)."""
+def load_policy(path: str | Path, files_base: str | Path | None = None) -> Policy:
+    """Read and validate a policy file. Raises :class:`PolicyError` (also for an unreadable file).
+
+    ``files_base``: the folder relative file names in the policy (``static_answers``) are read
+    from; default the policy file's own (a copy elsewhere, such as the run dir's, passes the
+    original's)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -201,7 +205,7 @@ def load_policy(path: str | Path) -> Policy:
     except UnicodeDecodeError as exc:
         raise PolicyError(str(p), [PolicyIssue("", f"not UTF-8 text (byte {exc.start}): is this a policy YAML file?")]) from None
     policy = parse_policy_text(text, str(p))
-    issues = static_answers_issues(policy, p.parent)
+    issues = static_answers_issues(policy, Path(files_base) if files_base is not None else p.parent)
     if issues:
         raise PolicyError(str(p), issues)
     return policy
