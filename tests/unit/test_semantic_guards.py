@@ -79,3 +79,34 @@ def test_features() -> None:
     assert guards.negated("It is not true that I never lie") is False
     assert guards.antonym("allow cookies", "block cookies") == ("allow", "block")
     assert guards.entities("Is Paris bigger than Rome?") == {"paris", "rome"}
+
+
+# --- the guards added after a new user's review (script, substitution, order) -----------------
+# examples of our own, not the labelled set's
+@pytest.mark.parametrize("a, b, guard", [
+    ("Is the gym crowded in the evening?", "Is the gym empty in the evening?", "substitution"),
+    ("Is the lake warm in June?", "Is the lake cold in June?", "substitution"),
+    ("Is the parking free at the mall?", "Is the parking paid at the mall?", "substitution"),
+    ("Should I water the plant more often?", "Should I water the plant less often?", "substitution"),
+    ("How do I translate English to French?", "How do I translate French to English?", "order"),
+    ("Is tea healthier than coffee?", "Is coffee healthier than tea?", "order"),
+    ("¿Cómo activo el modo oscuro?", "¿Cómo desactivo el modo oscuro?", "script"),
+    ("Wie öffne ich das Menü?", "Wie schließe ich das Menü?", "script"),
+    ("What does ✅ mean?", "What does ❌ mean?", "script"),
+])
+def test_minimal_pairs_other_scripts_and_swapped_roles_are_refused(a, b, guard):
+    got = guards.check(a, b)
+    # refused; by the guard named, or by one that comes first (a listed antonym, a swap seen as
+    # a substitution)
+    assert got == guard or (got in ("antonym", "substitution") and guard in ("substitution", "order")), got
+
+
+@pytest.mark.parametrize("a, b", [
+    ("Where can I download my receipt?", "Where do I download my receipts?"),
+    ("What’s the fastest way to get to the station?", "What is the quickest way to get to the station?"),
+    ("How do I sort a list with Python?", "How do I sort a list using Python?"),
+    ("What is the tallest building in Europe?", "Which building is the tallest in Europe?"),
+    ("How do I change my profile colour?", "How do I change my profile color?"),
+])
+def test_rewordings_of_function_words_forms_and_word_order_within_a_phrase_pass(a, b):
+    assert guards.check(a, b) is None

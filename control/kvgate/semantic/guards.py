@@ -19,7 +19,18 @@ features an embedding blurs and names the first that differs:
   (``un``/``dis``/``de``/``non``/``in``/``im``/``ir``/``il``: "refundable"/"non-refundable",
   "lock"/"unlock", "subscribe"/"unsubscribe", "possible"/"impossible");
 - ``entity``: a proper name (a capitalised word not at the start of a sentence) of one text is
-  absent from the other ("Paris" / "Berlin").
+  absent from the other ("Paris" / "Berlin");
+- ``script``: either text has a character outside ASCII once typographic punctuation is made
+  plain (other scripts, accented words, emoji): the embedding model is English, and its
+  tokenizer maps what it cannot read to one unknown token, so "如何启用…" and "如何禁用…", or
+  "🔒" and "🔓", embed alike (similarity 1.0). Such text is never answered semantically;
+- ``substitution``: the two are a minimal pair — the same words but for one or two swapped
+  for others ("open" / "closed", "front" / "back", "after" / "within", "mandatory" /
+  "optional") — and the swapped words are neither function words ("can" / "do", "what" /
+  "which"), nor forms of one word, nor synonyms from a short list ("shipping" / "delivery"): an
+  opposite nobody listed is refused by the shape of the pair, not by a list of opposites;
+- ``order``: the same content words in another order ("Celsius to Fahrenheit" / "Fahrenheit to
+  Celsius").
 
 Rules are general (features, not remembered sentences): a pair nobody wrote down is judged the
 same way. A paraphrase that changes such a feature ("two" vs "2" is the same number) is kept;
@@ -112,7 +123,11 @@ _PATH = re.compile(r"(?:^|\s)(?:[~.]?/[\w.\-/]+|[\w\-]+\.(?:py|js|ts|json|yaml|y
                    r"sh|go|rs|java|cpp|c|h|sql|log|conf|ini|toml|xml|pdf|docx?|xlsx?|png|jpe?g))\b", re.I)
 _CONTRACTIONS = [(re.compile(r"\bcan't\b|\bcannot\b", re.I), "can not"),
                  (re.compile(r"\bwon't\b", re.I), "will not"),
-                 (re.compile(r"\b(\w+)n't\b", re.I), r"\1 not")]
+                 (re.compile(r"\b(\w+)n't\b", re.I), r"\1 not"),
+                 (re.compile(r"\b(what|where|who|how|when|why|it|that|there|here|this)'s\b", re.I), r"\1 is"),
+                 (re.compile(r"\b(\w+)'re\b", re.I), r"\1 are"), (re.compile(r"\b(\w+)'ve\b", re.I), r"\1 have"),
+                 (re.compile(r"\b(\w+)'ll\b", re.I), r"\1 will"), (re.compile(r"\bi'm\b", re.I), "i am"),
+                 (re.compile(r"\b(\w+)'d\b", re.I), r"\1 would")]
 
 
 def _words(text: str) -> list[str]:
@@ -291,9 +306,100 @@ def entities(text: str) -> set[str]:
     return out
 
 
+_PLAIN = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u2013": "-",
+                        "\u2014": "-", "\u2026": "...", "\u00a0": " ", "\u00bf": "?", "\u00a1": "!"})
+
+
+def readable(text: str) -> bool:
+    """Whether the English embedding model can read ``text``: ASCII once typographic quotes,
+    dashes, ellipses and non-breaking spaces are made plain (see ``script`` above)."""
+    return text.translate(_PLAIN).isascii()
+
+
+_FUNCTION = set("""a an the this that these those my your our their his her its i you we they he she it me us
+them is are was were be been being am do does did can could would should may might will shall must have has had
+how what which who whom whose where when why there here please tell explain show give let any some way ways
+get got so just also really actually""".split())
+"""Words whose swap does not change what is asked ("How can I" / "How do I", "What" / "Which")."""
+
+_SYNONYMS = [frozenset(g.split("/")) for g in """shipping/delivery/shipment/shipped/delivered/ship/deliver/send
+buy/purchase/order cost/price/fee/charge big/large small/little fast/quick/rapid start/begin fix/repair
+help/assist/support email/e-mail/mail phone/mobile/cell app/application car/automobile kid/child/children
+picture/photo/image movie/film shop/store begin/commence end/finish/complete receive/get/obtain
+modify/change/edit/update remove/delete erase/delete choose/select/pick reply/answer/respond
+sign/log signin/login signup/register issue/problem error/bug plane/airplane teammate/colleague
+with/using/via/through/by""".split()]
+
+
+def _same_meaning(x: str, y: str) -> bool:
+    if x in _FUNCTION and y in _FUNCTION:
+        return True
+    if _bases(x) & _bases(y):
+        return True
+    short, long_ = sorted((x, y), key=len)
+    common = len(__import__("os").path.commonprefix([x, y]))
+    if common >= 4 and common >= len(short) - 3:
+        return True  # forms or spellings of one word: invoice/invoices, info/information, color/colour
+    bx, by = _bases(x) | {x, _stem(x)}, _bases(y) | {y, _stem(y)}
+    return any((bx & g) and (by & g) for g in _SYNONYMS)
+
+
+def substitution(a: str, b: str) -> tuple[str, str] | None:
+    """The first swapped pair of a minimal pair (see ``substitution`` above), else None."""
+    import difflib
+
+    wa, wb = _words(a), _words(b)
+    if not wa or not wb:
+        return None
+    sm = difflib.SequenceMatcher(a=wa, b=wb, autojunk=False)
+    same = sum(bl.size for bl in sm.get_matching_blocks())
+    if same < 0.6 * max(len(wa), len(wb)):
+        return None  # a rewording, not a minimal pair
+    for op, i1, i2, j1, j2 in sm.get_opcodes():
+        if op != "replace" or i2 - i1 > 2 or j2 - j1 > 2:
+            continue
+        xs, ys = wa[i1:i2], wb[j1:j2]
+        if len(xs) == len(ys):
+            for x, y in zip(xs, ys):
+                if x != y and not _same_meaning(x, y):
+                    return x, y
+        elif not any(_same_meaning(x, y) for x in xs for y in ys) and \
+                not all(w in _FUNCTION for w in xs + ys):
+            return " ".join(xs), " ".join(ys)
+    return None
+
+
+_DIRECTIONAL = {"to", "from", "into", "than", "vs", "versus", "before", "after", "over", "under", "above",
+                "below", "or", "and", "onto", "toward", "towards", "against"}
+
+
+def reordered(a: str, b: str) -> bool:
+    """The same content words, moved across a word that gives them a direction or a role
+    ("Celsius to Fahrenheit" / "Fahrenheit to Celsius", "A or B" / "B or A"); a reordering
+    within one phrase ("the tallest mountain" / "which mountain is the tallest") is not."""
+    def segments(t: str) -> tuple[list[Counter], Counter]:
+        segs, cur, allw = [], Counter(), Counter()
+        for w in _words(t):
+            if w in _DIRECTIONAL:
+                segs.append(cur)
+                cur = Counter()
+            elif w not in _FUNCTION:
+                cur[w] += 1
+                allw[w] += 1
+        segs.append(cur)
+        return [c for c in segs if c], allw
+
+    sa, ca = segments(a)
+    sb, cb = segments(b)
+    return len(sa) > 1 and ca == cb and sa != sb
+
+
 def check(a: str, b: str) -> str | None:
-    """The name of the first guard that tells ``a`` and ``b`` apart (``number``, ``date``,
-    ``identifier``, ``negation``, ``antonym``, ``entity``) or ``None`` when none does."""
+    """The name of the first guard that tells ``a`` and ``b`` apart (``script``, ``number``,
+    ``date``, ``identifier``, ``negation``, ``antonym``, ``entity``, ``substitution``, ``order``)
+    or ``None`` when none does."""
+    if not (readable(a) and readable(b)):
+        return "script"
     if numbers(a) != numbers(b):
         return "number"
     if dates(a) != dates(b):
@@ -308,4 +414,8 @@ def check(a: str, b: str) -> str | None:
     words_a, words_b = set(_words(a)), set(_words(b))
     if (ea - words_b) or (eb - words_a):
         return "entity"
+    if substitution(a, b):
+        return "substitution"
+    if reordered(a, b):
+        return "order"
     return None
