@@ -43,7 +43,7 @@ def fleet(control_fleet_module, tmp_path_factory):  # noqa: F811
     faq = tmp_path_factory.mktemp("faq") / "faq.yaml"
     faq.write_text(FAQ)
     fl = control_fleet_module(n=2, gateway_extra=", auth: optional", extra=TENANTS,
-                              pool_extra=f"    semantic: {{enabled: true, similarity_min: 0.85, timeout_ms: 300, "
+                              pool_extra=f"    semantic: {{enabled: true, similarity_min: 0.85, timeout_ms: 1500, "
                                          f"static_answers: '{faq}'}}")
     wait_until(_up, "the semantic service", 90)
     r = fl.api("POST", "/api/v1/keys", json={"tenant": "other", "name": "e2e"})
@@ -93,6 +93,12 @@ def guard_rejections(fl: Fleet) -> dict[str, float]:
             guard = line.split('guard="', 1)[1].split('"', 1)[0]
             out[guard] = out.get(guard, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def lookups(fl: Fleet) -> list[str]:
+    """The gateway's semantic lookups by result (for a failure's message)."""
+    text = requests.get(f"http://127.0.0.1:{fl.internal_port}/metrics", timeout=5).text
+    return [x for x in text.splitlines() if x.startswith("kvgate_semantic_lookups_total{")]
 
 
 def engine_requests(fl: Fleet) -> float:
@@ -154,7 +160,8 @@ def test_near_misses_are_refused_by_the_guards(fleet, shape):
         r = ask(fleet, other)
         assert cache_of(r) == "MISS", (seeded, other, r.headers)
         # refused by a guard (the candidate was above the threshold), not merely dissimilar
-        assert sum(guard_rejections(fleet).values()) == before + 1, (seeded, other, guard_rejections(fleet))
+        assert sum(guard_rejections(fleet).values()) == before + 1, (seeded, other, guard_rejections(fleet),
+                                                                     lookups(fleet))
 
 
 def test_the_same_follow_up_in_two_conversations_misses(fleet):
@@ -209,6 +216,8 @@ def test_unrelated_questions_miss_even_at_the_lowest_threshold(fleet):
 
 
 def test_the_service_killed_requests_are_served_within_the_timeout(fleet):
+    # (timeout_ms is 1500 here, not the default 50: a loaded CI machine's embeddings must not turn
+    # the guard tests' lookups into timeouts; a refused connection is answered at once anyway)
     pid = int((fleet.run_dir / "pids" / "semantic.pid").read_text())
     os.kill(pid, signal.SIGKILL)
     wait_until(lambda: not _up(), "the service gone", 10)
@@ -217,7 +226,7 @@ def test_the_service_killed_requests_are_served_within_the_timeout(fleet):
             t0 = time.monotonic()
             r = ask(fleet, f"A question nobody asked before, number {i}, while the service is down")
             assert cache_of(r) == "MISS"
-            assert time.monotonic() - t0 < 0.3 + 2.0  # the timeout (300 ms) plus the engine's answer
+            assert time.monotonic() - t0 < 1.5 + 2.0  # the timeout plus the engine's answer
         text = requests.get(f"http://127.0.0.1:{fleet.internal_port}/metrics", timeout=5).text
         assert any(line.startswith("kvgate_semantic_lookups_total{") and 'result="error"' in line
                    for line in text.splitlines())
