@@ -77,6 +77,18 @@ def inserts(fl: Fleet) -> float:
 
 def seed(fl: Fleet, messages, key: str | None = None) -> requests.Response:
     """Ask ``messages`` (computed by an engine) and wait until its answer is in the semantic index."""
+    # the inserts of earlier misses go from a timer: let them land first, or one of them would
+    # be taken for this seed's (and the next question asked before the seed is indexed)
+    last = {"n": -1.0, "since": time.monotonic()}
+
+    def settled() -> bool:
+        n_now = inserts(fl)
+        if n_now != last["n"]:
+            last.update(n=n_now, since=time.monotonic())
+            return False
+        return time.monotonic() - last["since"] >= 0.5
+
+    wait_until(settled, "earlier inserts to land", timeout=15)
     n = inserts(fl)
     r = ask(fl, messages, key)
     assert r.headers["X-Kvgate-Cache"] == "MISS", (messages, r.headers)
