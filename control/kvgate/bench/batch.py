@@ -45,7 +45,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..policy.loader import PolicyError
 from .replay import ReplayError, _percentile, reset_prefix_caches, send_trace, wait_engines_idle
 from .trace import load_trace
 
@@ -233,18 +232,11 @@ def batch_command(ctx: click.Context, docs: int, questions: int, doc_tokens: int
     and (--live) a trace's TTFT p99 with and without a batch running."""
     import openai
 
-    from ..stack import Stack
     from .cli import _balancer_switch
+    from .costs import running_stack
 
     console = Console(stderr=True)
-    stack = Stack((ctx.obj or {}).get("run_dir"))
-    try:
-        policy = stack.load_running_policy()
-    except PolicyError as exc:
-        click.echo(f"error: invalid policy {exc}", err=True)
-        sys.exit(2)
-    if policy is None or not stack.nginx.pid():
-        raise click.UsageError(f"no running stack under {stack.run_dir}; start one with `kvgate up`")
+    stack, policy = running_stack(ctx)
     pool = policy.pools[0]
     nodes = pool.nodes
     gateway = f"http://{policy.gateway.listen}"

@@ -90,6 +90,22 @@ def _wait(cond, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def running_stack(ctx: click.Context):
+    """``(stack, policy)`` of the running stack of the command's run dir, for the benchmarks that
+    drive it: exit 2 for a running policy that no longer validates, a usage error when nothing runs."""
+    from ..stack import Stack
+
+    stack = Stack((ctx.obj or {}).get("run_dir"))
+    try:
+        policy = stack.load_running_policy()
+    except PolicyError as exc:
+        click.echo(f"error: invalid policy {exc}", err=True)
+        sys.exit(2)
+    if policy is None or not stack.nginx.pid():
+        raise click.UsageError(f"no running stack under {stack.run_dir}; start one with `kvgate up`")
+    return stack, policy
+
+
 @click.command("costs")
 @click.argument("trace_path", metavar="TRACE", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--requests", "limit", type=click.IntRange(min=2), default=2000, show_default=True,
@@ -107,17 +123,8 @@ def costs_command(ctx: click.Context, trace_path: Path, limit: int, repeats: int
                   no_restart: bool, json_path: Path | None) -> None:
     """Replay TRACE plus REPEATS cache hits through the running stack and compare the usage
     rollups' sums with the engines' own counters (exactly equal, or ✗)."""
-    from ..stack import Stack
-
     console = Console(stderr=True)
-    stack = Stack((ctx.obj or {}).get("run_dir"))
-    try:
-        policy = stack.load_running_policy()
-    except PolicyError as exc:
-        click.echo(f"error: invalid policy {exc}", err=True)
-        sys.exit(2)
-    if policy is None or not stack.nginx.pid():
-        raise click.UsageError(f"no running stack under {stack.run_dir}; start one with `kvgate up`")
+    stack, policy = running_stack(ctx)
     policy_path = stack.policy_path()
     pool = policy.pools[0]
     nodes = pool.nodes
