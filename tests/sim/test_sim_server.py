@@ -95,6 +95,9 @@ def test_repeated_prompt_hits_prefix_cache_and_metrics(sim):
     assert hits == second.prompt_tokens_details.cached_tokens and queries == 2 * n
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 2 * n
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 16
+    # busy time: two requests one after the other, each at least its decode time (7 steps of 2 ms)
+    busy = after["kvgate_sim_busy_seconds_total"] - before["kvgate_sim_busy_seconds_total"]
+    assert 2 * 7 * 0.002 <= busy < 5.0
     # a later turn of the same conversation reuses the shared prefix
     third = chat(sim, content="hello there, different question").usage
     assert third.prompt_tokens_details.cached_tokens == 303 // 16 * 16  # tokens before "there,"
@@ -189,6 +192,7 @@ EXPECTED_SAMPLES = {
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total", "vllm:request_success_total", "vllm:cache_config_info",
     "process_start_time_seconds",  # prometheus_client's process collector in real vLLM; the engine's creation time
+    "kvgate_sim_busy_seconds_total",  # the simulator's own: modelled busy seconds (the bill demo's engine time)
 } | {f"{h}_{s}" for h in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
                           "vllm:request_queue_time_seconds") for s in ("bucket", "count", "sum")}
 

@@ -108,6 +108,11 @@ class SimMetrics:
     and ``process_start_time_seconds`` (unix seconds; real vLLM exposes it through prometheus_client's
     process collector), set to ``start_time``: the creation time of the engine, so a scraper can tell a
     restarted engine (counters back at zero) from a quiet one.
+
+    One series is the simulator's own, not vLLM's: ``kvgate_sim_busy_seconds_total``, the modelled
+    seconds (wall seconds ÷ ``time_scale``) during which at least one request was admitted — the
+    engine busy time a GPU would have been paid for. vLLM has no such counter; on real engines the
+    bill demo reads GPU utilisation from the node agent instead.
     """
 
     def __init__(self, config: SimulatorConfig, start_time: float | None = None):
@@ -131,6 +136,8 @@ class SimMetrics:
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.busy_seconds = counter("kvgate_sim_busy_seconds",
+                                    "Modelled seconds with at least one request admitted (simulator only).")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           labels + ("finished_reason",), registry=r)
         self.request_success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
@@ -172,6 +179,7 @@ class Engine:
         self.cache = PrefixCache(config.num_gpu_blocks, config.block_size)
         self.metrics = SimMetrics(config, start_time=self.created)
         self.num_running = 0
+        self._busy_since: float | None = None  # monotonic s when num_running went 0 → 1
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
         self._prefill = asyncio.Semaphore(prefill_slots)
 
@@ -181,6 +189,11 @@ class Engine:
         return len(self._waiting)
 
     def _gauges(self) -> None:
+        if self.num_running and self._busy_since is None:
+            self._busy_since = time.monotonic()
+        elif not self.num_running and self._busy_since is not None:
+            self.metrics.busy_seconds.inc((time.monotonic() - self._busy_since) / self.config.time_scale)
+            self._busy_since = None
         self.metrics.running.set(self.num_running)
         self.metrics.waiting.set(len(self._waiting))
         self.metrics.kv_cache_usage.set(self.cache.usage)
