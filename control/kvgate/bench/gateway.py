@@ -574,6 +574,7 @@ from .hot_session import hot_session_command  # noqa: E402  (kvgate bench hot-se
 from .peers import peers_command  # noqa: E402  (kvgate bench peers: the peer routers side by side)
 from .costs import costs_command  # noqa: E402  (kvgate bench costs: the bill's sums against the engines')
 from .batch import batch_command  # noqa: E402  (kvgate bench batch: the prefix-grouped Batch API against file order)
+from .bill import bill_command  # noqa: E402  (kvgate bench bill: the mixed workload, baseline against kvgate)
 from kvgate.semantic.bench import semantic_bench_command  # noqa: E402  (kvgate bench semantic: labelled set, latency)
 
 bench_command.add_command(gateway_command)
@@ -581,5 +582,6 @@ bench_command.add_command(hot_session_command)
 bench_command.add_command(peers_command)
 bench_command.add_command(costs_command)
 bench_command.add_command(batch_command)
+bench_command.add_command(bill_command)
 
 bench_command.add_command(semantic_bench_command)
