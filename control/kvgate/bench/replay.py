@@ -48,12 +48,18 @@ class ReplayError(RuntimeError):
 
 @dataclass
 class RequestResult:
-    """One replayed request: ``ttft_s`` from send to the first content chunk, at the client."""
+    """One replayed request: ``ttft_s`` from send to the first content chunk, at the client;
+    ``cache`` the response's ``X-Kvgate-Cache`` header (None when absent); the token counts from
+    the stream's ``usage`` chunk (``stream_options.include_usage``; None when it sent none)."""
 
     ok: bool
     status: int = 0
     ttft_s: float | None = None
     error: str | None = None
+    cache: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 @dataclass
@@ -144,19 +150,23 @@ _HEADERS = {"Content-Type": "application/json", "Cache-Control": "no-store"}
 
 async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, sem: asyncio.Semaphore,
                        timeout: aiohttp.ClientTimeout, t0: float,
-                       headers: dict[str, str] | None = None) -> RequestResult:
+                       headers: dict[str, str] | None = None, no_store: bool = True) -> RequestResult:
     """Send one streamed request; ``t0`` (``time.perf_counter()``) is when it was ready to
     send, so a wait for a concurrency slot counts in its TTFT, as it would for a real client.
-    ``headers`` are sent besides the JSON content type and ``Cache-Control: no-store``."""
+    ``headers`` are sent besides the JSON content type and (``no_store``, the default)
+    ``Cache-Control: no-store``; ``no_store=False`` lets the gateway's response cache answer."""
+    base = _HEADERS if no_store else {"Content-Type": "application/json"}
     async with sem:
         try:
             async with session.post(url, data=body, timeout=timeout,
-                                    headers={**_HEADERS, **headers} if headers else _HEADERS) as resp:
+                                    headers={**base, **headers} if headers else base) as resp:
+                cache = resp.headers.get("X-Kvgate-Cache")
                 if resp.status != 200:
                     text = (await resp.text())[:200]
-                    return RequestResult(False, resp.status, error=f"HTTP {resp.status}: {text}")
+                    return RequestResult(False, resp.status, error=f"HTTP {resp.status}: {text}", cache=cache)
                 ttft = None
                 done = False
+                usage: dict = {}
                 async for raw in resp.content:
                     line = raw.strip()
                     if not line.startswith(b"data:"):
@@ -165,6 +175,11 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, se
                     if data == b"[DONE]":
                         done = True
                         break
+                    if b'"usage"' in data:
+                        try:
+                            usage = json.loads(data).get("usage") or usage
+                        except ValueError:
+                            return RequestResult(False, resp.status, error="bad SSE chunk", cache=cache)
                     if ttft is None:
                         try:
                             chunk = json.loads(data)
@@ -173,9 +188,12 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, se
                         choices = chunk.get("choices") or []
                         if choices and (choices[0].get("delta") or {}).get("content"):
                             ttft = time.perf_counter() - t0
+                tokens = {"prompt_tokens": usage.get("prompt_tokens"),
+                          "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+                          "completion_tokens": usage.get("completion_tokens")}
                 if not done:
-                    return RequestResult(False, resp.status, ttft, "stream ended without [DONE]")
-                return RequestResult(True, resp.status, ttft)
+                    return RequestResult(False, resp.status, ttft, "stream ended without [DONE]", cache, **tokens)
+                return RequestResult(True, resp.status, ttft, None, cache, **tokens)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return RequestResult(False, 0, error=f"{type(exc).__name__}: {exc}")
 
@@ -183,7 +201,8 @@ async def _one_request(session: aiohttp.ClientSession, url: str, body: bytes, se
 async def send_trace(gateway: str, model: str, trace: list[TraceRequest], speedup: float, concurrency: int,
                      max_tokens_cap: int | None = None, on_done: Callable[[RequestResult], None] | None = None,
                      request_timeout_s: float = 600.0,
-                     headers: Callable[[TraceRequest], dict[str, str]] | None = None) -> list[RequestResult]:
+                     headers: Callable[[TraceRequest], dict[str, str]] | None = None,
+                     no_store: bool = True) -> list[RequestResult]:
     """Send every trace request to ``{gateway}/v1/chat/completions`` at ``timestamp / speedup``.
 
     ``gateway`` is any OpenAI-compatible base URL (kvgate, a peer router, an engine).
@@ -191,6 +210,8 @@ async def send_trace(gateway: str, model: str, trace: list[TraceRequest], speedu
     output length (capped by ``max_tokens_cap``). At most ``concurrency`` requests are
     in flight; later arrivals wait (their TTFT includes that wait, as a real client's would).
     ``headers(request)``, when given, adds headers per request (e.g. a session id).
+    ``no_store`` (default True) sends ``Cache-Control: no-store`` so the response cache answers
+    nothing; False leaves caching to the gateway's policy. Results are in ``trace``'s order.
     """
     url = gateway.rstrip("/") + "/v1/chat/completions"
     sem = asyncio.Semaphore(concurrency)
@@ -212,7 +233,7 @@ async def send_trace(gateway: str, model: str, trace: list[TraceRequest], speedu
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             }).encode()
             result = await _one_request(session, url, body, sem, timeout, time.perf_counter(),
-                                        headers(req) if headers else None)
+                                        headers(req) if headers else None, no_store)
             if on_done:
                 on_done(result)
             return result
