@@ -39,10 +39,20 @@ if not all(shutil.which(b) or shutil.which(b, path="/usr/sbin:/usr/bin") for b i
     pytest.exit("integration tests need nginx (with libnginx-mod-http-lua) and redis-server: run `make setup`", 2)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback TCP port never handed out before in this process: the kernel may give a
+    just-released ephemeral port again, and two roles of one fleet on one port break its policy
+    (a fresh-clone run saw "pools[0].nodes[1].url: ... is also gateway.listen")."""
+    while True:
+        with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def kvgate_cli(run_dir: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
