@@ -278,19 +278,11 @@ def batch_costs(outputs: dict[str, dict[str, Any]], prices: TokenPrices, discoun
     return cost, full
 
 
-def _wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise ReplayError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.25)
-
-
 def run_once(name: str, mode: str, *, mix, gateway: str, keys: dict[str, str], nodes, r: redis.Redis,
              prices: TokenPrices, discount: float, speedup: float, concurrency: int, console: Console) -> RunBill:
     """One run of the mix (``mode`` "baseline" or "kvgate") on an applied policy: prefix caches
     reset, engines idle, counters and rollups snapshotted around it. Raises ReplayError."""
-    from .costs import consumer_caught_up
+    from .costs import _wait, consumer_caught_up
     from .mix import run_mix
 
     wait_engines_idle(nodes, timeout=120)
