@@ -575,6 +575,7 @@ from .peers import peers_command  # noqa: E402  (kvgate bench peers: the peer ro
 from .costs import costs_command  # noqa: E402  (kvgate bench costs: the bill's sums against the engines')
 from .batch import batch_command  # noqa: E402  (kvgate bench batch: the prefix-grouped Batch API against file order)
 from .bill import bill_command  # noqa: E402  (kvgate bench bill: the mixed workload, baseline against kvgate)
+from .scaleout import scaleout_command  # noqa: E402  (kvgate bench scaleout: hit ratio on 1, 2, 4 engines)
 from kvgate.semantic.bench import semantic_bench_command  # noqa: E402  (kvgate bench semantic: labelled set, latency)
 
 bench_command.add_command(gateway_command)
@@ -583,5 +584,6 @@ bench_command.add_command(peers_command)
 bench_command.add_command(costs_command)
 bench_command.add_command(batch_command)
 bench_command.add_command(bill_command)
+bench_command.add_command(scaleout_command)
 
 bench_command.add_command(semantic_bench_command)
