@@ -94,7 +94,10 @@ def multi_turn_workload(*, conversations: int, turns: tuple[int, int] = (4, 6), 
     """``conversations`` conversations sorted by ``start_s``.
 
     Starts are a Poisson process of ``rate_per_s`` conversations per second (the first at 0);
-    each conversation has a uniform number of turns in ``turns`` (inclusive), uses system prompt
+    each conversation has a uniform number of turns in ``turns`` (inclusive), a pause of
+    ``think_s`` × uniform(0.5, 1.5) between turns (``think_s`` is the mean: equal pauses would
+    make conversations take turns in lockstep, which lines them up with a round robin's
+    rotation), uses system prompt
     variant ``n % system_prompts`` and user/answer texts of ``user_tokens``/``answer_tokens``
     words (simulator tokens). Deterministic in ``seed``.
 
@@ -122,11 +125,11 @@ def multi_turn_workload(*, conversations: int, turns: tuple[int, int] = (4, 6), 
             t += arrivals.expovariate(rate_per_s)
         rng = random.Random(f"kvgate-mt-{seed}-{n}")
         k = rng.randint(lo, hi)
+        users = tuple(_words(rng, user_tokens) for _ in range(k))
+        answers = tuple(_words(rng, answer_tokens) for _ in range(k))
         out.append(Conversation(
-            id=f"mt-{n}", user=f"u{n}", start_s=t, system=systems[n % system_prompts],
-            turns=tuple(_words(rng, user_tokens) for _ in range(k)),
-            answers=tuple(_words(rng, answer_tokens) for _ in range(k)),
-            max_tokens=max_tokens, think_s=think_s))
+            id=f"mt-{n}", user=f"u{n}", start_s=t, system=systems[n % system_prompts], turns=users,
+            answers=answers, max_tokens=max_tokens, think_s=think_s * rng.uniform(0.5, 1.5)))
     return out
 
 
