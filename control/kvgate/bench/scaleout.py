@@ -25,7 +25,11 @@ tokens that can be a hit (its full blocks: the common token prefix of two conver
 prompts, rounded down to the engines' block size) and E the engines that served at least one
 turn (each computes the system prompt once after the reset; every other turn hits it). The
 same ratio from the streams' ``usage.cached_tokens`` (Σ max(0, cached − S) ÷ Σ (prompt − S),
-exact per turn) is ``conv_hit_ratio_usage``, a check of the counter figure.
+exact per turn) is ``conv_hit_ratio_usage``, a check of the counter figure. ``follow_ups_warm``
+(from usage): the share of follow-up turns (k ≥ 1) whose engine held the whole previous turn's
+prompt (``cached_tokens`` ≥ its full blocks) — about 1/N under round robin, 1 under affinity;
+the per-conversation hit ratio falls less than that because a turn that misses its previous
+turn may still find an older turn of its conversation on its engine (a shorter prefix).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from .replay import HITS, PROMPT_TOKENS, QUERIES, ReplayError, _percentile, rese
     wait_engines_idle
 
 JSON_KEYS = ("engines", "balancer", "turns_ok", "turns_failed", "hit_ratio", "conv_hit_ratio",
-             "conv_hit_ratio_usage", "ttft_p50_s", "ttft_p99_s", "engines_used", "prompt_tokens",
+             "conv_hit_ratio_usage", "follow_ups_warm", "ttft_p50_s", "ttft_p99_s", "engines_used", "prompt_tokens",
              "hit_tokens")
 
 
@@ -67,6 +71,7 @@ class RunReport:
     hit_ratio: float
     conv_hit_ratio: float
     conv_hit_ratio_usage: float
+    follow_ups_warm: float
     ttft_p50_s: float
     ttft_p99_s: float
     engines_used: int
@@ -99,7 +104,7 @@ def shared_system_tokens(convs: list[Conversation], block_size: int) -> int:
 
 
 def build_run_report(engines: int, balancer: str, results: list[TurnResult], before: dict[str, dict[str, float]],
-                     after: dict[str, dict[str, float]], system_tokens: int) -> RunReport:
+                     after: dict[str, dict[str, float]], system_tokens: int, block_size: int) -> RunReport:
     """The figures of one run from the client's results and the engines' counter snapshots
     (node id → counters, :func:`kvgate.bench.replay.scrape_engine`). See the module docstring."""
     q = h = p = 0.0
@@ -119,12 +124,21 @@ def build_run_report(engines: int, balancer: str, results: list[TurnResult], bef
     usage = [r for r in ok if r.prompt_tokens is not None and r.cached_tokens is not None]
     u_beyond = sum(r.prompt_tokens - s for r in usage)
     u_hits = sum(max(0, r.cached_tokens - s) for r in usage)
+    # follow-up turns whose whole previous turn was cached where they ran (results: conversation
+    # order, then turn order; turn k's prompt starts with turn k-1's prompt)
+    warm = follow = 0
+    for prev, r in zip(results, results[1:]):
+        if r.conversation == prev.conversation and r.turn == prev.turn + 1 and r.ok and prev.ok \
+                and r.cached_tokens is not None and prev.prompt_tokens is not None:
+            follow += 1
+            warm += r.cached_tokens >= prev.prompt_tokens // block_size * block_size
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     return RunReport(
         engines=engines, balancer=balancer, turns_ok=served, turns_failed=len(results) - served,
         hit_ratio=round(h / q, 4) if q else 0.0,
         conv_hit_ratio=round(max(0.0, conv_hits) / beyond, 4) if beyond > 0 else 0.0,
         conv_hit_ratio_usage=round(u_hits / u_beyond, 4) if u_beyond > 0 else 0.0,
+        follow_ups_warm=round(warm / follow, 4) if follow else 0.0,
         ttft_p50_s=round(_percentile(ttfts, 50), 4), ttft_p99_s=round(_percentile(ttfts, 99), 4),
         engines_used=used, prompt_tokens=p, hit_tokens=h,
         errors=sorted({r.error or "" for r in results if not r.ok})[:5])
@@ -145,11 +159,11 @@ def render_table(reports: list[RunReport], system_tokens: int) -> Table:
     t = Table(title=f"kvgate bench scaleout: the multi-turn workload on 1..N engines "
                     f"(shared system prompt: {system_tokens} cacheable tokens)", title_justify="left")
     for col in ("engines", "balancer", "turns ok / failed", "hit ratio", "per-conversation hit ratio",
-                "(from usage)", "TTFT p50", "TTFT p99"):
+                "(from usage)", "follow-ups warm", "TTFT p50", "TTFT p99"):
         t.add_column(col, justify="left" if col == "balancer" else "right")
     for r in sorted(reports, key=lambda r: (r.engines, r.balancer != "round_robin", r.balancer)):
         t.add_row(str(r.engines), r.balancer, f"{r.turns_ok} / {r.turns_failed}", f"{r.hit_ratio:.1%}",
-                  f"{r.conv_hit_ratio:.1%}", f"{r.conv_hit_ratio_usage:.1%}",
+                  f"{r.conv_hit_ratio:.1%}", f"{r.conv_hit_ratio_usage:.1%}", f"{r.follow_ups_warm:.1%}",
                   f"{r.ttft_p50_s * 1000:.0f} ms", f"{r.ttft_p99_s * 1000:.0f} ms")
     return t
 
@@ -344,7 +358,7 @@ def scaleout_command(ctx: click.Context, engines_text: str, balancers_text: str 
                     raise ReplayError(f"node(s) {', '.join(stray)} outside the {n}-engine pool served requests "
                                       "(another client is using the engines?)")
                 rep = build_run_report(n, b, results, {x.id: before[x.id] for x in nodes},
-                                       {x.id: after[x.id] for x in nodes}, shared)
+                                       {x.id: after[x.id] for x in nodes}, shared, policy.simulator.block_size)
                 reports.append(rep)
                 for err in rep.errors:
                     progress.console.print(f"  [red]error[/]: {err}")
