@@ -158,7 +158,7 @@ def render_table(reports: list[RunReport], system_tokens: int) -> Table:
     """One row per engine count × balancer, engine counts ascending."""
     t = Table(title=f"kvgate bench scaleout: the multi-turn workload on 1..N engines "
                     f"(shared system prompt: {system_tokens} cacheable tokens)", title_justify="left")
-    for col in ("engines", "balancer", "turns ok / failed", "hit ratio", "per-conversation hit ratio",
+    for col in ("engines", "balancer", "turns ok / failed", "hit ratio", "per-conv. hit ratio",
                 "(from usage)", "follow-ups warm", "TTFT p50", "TTFT p99"):
         t.add_column(col, justify="left" if col == "balancer" else "right")
     for r in sorted(reports, key=lambda r: (r.engines, r.balancer != "round_robin", r.balancer)):
@@ -371,7 +371,7 @@ def scaleout_command(ctx: click.Context, engines_text: str, balancers_text: str 
         except ControlError as exc:
             click.echo(f"warning: could not apply the running policy again: {exc}", err=True)
 
-    Console(width=max(110, Console().width)).print(render_table(reports, shared))
+    Console(width=max(132, Console().width)).print(render_table(reports, shared))
     acc = acceptance(reports)
     for b, per in acc.items():
         cells = ", ".join(f"{n}: {v['ratio']:.2f} of 1 engine ({v['delta']:+.3f})" for n, v in per.items()
