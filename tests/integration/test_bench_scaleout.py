@@ -62,8 +62,10 @@ def test_scaleout_on_a_real_stack(control_fleet, tmp_path):  # noqa: F811
     assert abs(runs[(1, "chash_bounded")]["conv_hit_ratio"] - one) < 0.01
     assert runs[(2, "round_robin")]["conv_hit_ratio"] < one - 0.1, runs  # RR splits conversations
     assert runs[(2, "chash_bounded")]["conv_hit_ratio"] >= one - 0.05, runs  # affinity keeps them
-    assert runs[(1, "round_robin")]["follow_ups_warm"] == 1 and runs[(2, "chash_bounded")]["follow_ups_warm"] == 1
-    assert runs[(2, "round_robin")]["follow_ups_warm"] < 0.8, runs
+    # a follow-up finds its previous turn on its engine: always on one engine; under round robin
+    # about half the time on two; under affinity mostly (the bound may move a session off a busy home)
+    assert runs[(1, "round_robin")]["follow_ups_warm"] == 1
+    assert runs[(2, "round_robin")]["follow_ups_warm"] < 0.8 <= runs[(2, "chash_bounded")]["follow_ups_warm"], runs
     assert set(data["acceptance"]) == {"round_robin", "chash_bounded"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the running policy is back: both nodes, the pool's own balancer
