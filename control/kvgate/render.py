@@ -295,7 +295,8 @@ def _pool_semantic(pool: Any, cache_ttl_s: int) -> dict[str, Any] | None:
         return None
     return {"enabled": sc.enabled, "static": sc.static_answers is not None, "similarity_min": sc.similarity_min,
             "model": sc.model, "ttl_s": sc.ttl_s or cache_ttl_s, "timeout_ms": sc.timeout_ms,
-            "max_temperature": sc.max_temperature, "knowledge_version": sc.knowledge_version}
+            "max_temperature": sc.max_temperature, "max_question_bytes": sc.max_question_bytes,
+            "knowledge_version": sc.knowledge_version}
 
 
 def data_config(policy: Policy, push_secret_sha256: str = "", batch_secret: str = "",

@@ -3,7 +3,9 @@
 --
 -- eligible(): the pool has semantic.enabled or static answers, the request is a chat completion
 -- whose exact-cache key was worked out (deterministic, text only, no Cache-Control: no-store or
--- no-cache), temperature <= semantic.max_temperature, and its last message is the user's, as text.
+-- no-cache), temperature <= semantic.max_temperature, and its last message is the user's, as text,
+-- of at most semantic.max_question_bytes (the embedding model reads 256 tokens: a longer message
+-- would be refused by the service for its length, after an embedding paid for nothing).
 -- scope(): what must match exactly before similarity is asked (the service compares only `text`,
 -- the last user message):
 --   sha256 of the digest form (kvgate.cache_key.digest_form) of
@@ -67,7 +69,7 @@ _M.POOL_SIZE = 32
 metrics.FAMILIES[_M.LOOKUPS] = { "counter",
     "Semantic-cache lookups after an exact-cache miss, by pool and result: semantic (a paraphrase's answer "
     .. "served), static (an FAQ answer), miss, rejected (a candidate refused by a guard), stale (the named "
-    .. "entry is gone), timeout, error (the service unreachable or a bad answer: served as a miss)." }
+    .. "entry is gone), long (the last user message over max_question_bytes: not asked), timeout, error (the service unreachable or a bad answer: served as a miss)." }
 metrics.FAMILIES[_M.REJECTED] = { "counter",
     "Semantic candidates above the threshold refused by a guard (number, date, identifier, negation ...), by pool." }
 metrics.FAMILIES[_M.INSERTS] = { "counter",
@@ -154,6 +156,9 @@ function _M.eligible(scfg, req, endpoint)
     local text = _M.last_user_text(req)
     if not text then
         return nil, "last-message"
+    end
+    if #text > (scfg.max_question_bytes or 2048) then
+        return nil, "long"
     end
     return text
 end
@@ -369,8 +374,11 @@ function _M.lookup(kctx, cfg)
     end
     local r = kctx.req
     local req = r.parsed
-    local text = _M.eligible(scfg, req, r.endpoint)
+    local text, why = _M.eligible(scfg, req, r.endpoint)
     if not text then
+        if why == "long" then
+            count(route.pool, "long")
+        end
         return nil
     end
     local pool = route.pool

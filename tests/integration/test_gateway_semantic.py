@@ -167,6 +167,25 @@ def test_no_store_high_temperature_and_images_never_ask(env) -> None:
     assert len(fake.entries) == 1
 
 
+def test_a_last_message_over_max_question_bytes_is_neither_asked_nor_stored(env) -> None:
+    # the model reads 256 tokens: a pasted document (the trace's and the multi-turn chat's turns)
+    # would only be refused for its length after an embedding, so the gateway does not ask
+    gw, fake, _ = env
+    n = len(fake.calls("/lookup"))
+    long_q = "Summarise this report for me. " + "The quarter went well for the northern region. " * 44
+    assert len(long_q.encode()) > 2048
+    r = ask(gw, long_q)
+    assert r.status_code == 200 and r.headers["X-Kvgate-Cache"] == "MISS"
+    gw.wait_metric("kvgate_semantic_lookups_total", 1, pool="default", result="long")
+    again = ask(gw, long_q)
+    assert again.headers["X-Kvgate-Cache"] == "HIT", "the exact cache still answers it"
+    time.sleep(0.3)
+    assert len(fake.calls("/lookup")) == n and fake.entries == []
+    # at the limit it is asked as before
+    seed(gw, fake, long_q[:2048])
+    assert len(fake.calls("/lookup")) == n + 1
+
+
 def test_the_service_slow_or_down_is_a_miss_within_the_timeout(env) -> None:
     gw, fake, _ = env
     seed(gw, fake, "What is the boiling point of water?")

@@ -43,6 +43,12 @@ class PoolSemanticConfig(_Strict):
     max_temperature: float = Field(
         0.7, ge=0, le=2,
         description="A request with a higher `temperature` is never answered nor stored semantically.")
+    max_question_bytes: int = Field(
+        2048, ge=64, le=65536,
+        description="A last user message longer than this (bytes) is neither looked up nor stored semantically "
+        "(counted as `long`). The embedding model reads 256 tokens (about 1,000 bytes of English), so a longer "
+        "message could only be compared by its beginning, which the service refuses anyway; skipping it at the "
+        "gateway spares the service an embedding per long prompt (a chat turn with a pasted document).")
     knowledge_version: int = Field(
         1, ge=1, description="Part of every semantic and static key: bump it when the documents or the facts "
         "answers depend on change (also `kvgate cache bump-knowledge POOL`, the admin page's Cache page).")
