@@ -367,7 +367,10 @@ def test_batches_page_in_chromium(cf: Fleet, browser, shots: Path):
 
     done_id = submit(6, 4, "summaries")
     wait_until(lambda: client.batches.retrieve(done_id).status == "completed", "the short batch to complete", 60)
-    running_id = submit(80, 400, "nightly-eval")
+    # long enough that the cancel below always finds it running: 200 lines of 4,000 tokens at
+    # time_scale 0.05 (1 ms a token) is ~50 s at batch.max_in_flight 16 (80 × 400 finished in
+    # ~2 s, before the page got to it, in one run)
+    running_id = submit(200, 4000, "nightly-eval")
     wait_until(lambda: client.batches.retrieve(running_id).request_counts.completed >= 1, "the long batch to start", 60)
 
     context = browser.new_context(viewport={"width": 1440, "height": 900})
@@ -402,7 +405,7 @@ def test_batches_page_in_chromium(cf: Fleet, browser, shots: Path):
 
     wait_until(cancelled, "the cancelled batch to end", 60)
     b = client.batches.retrieve(running_id)
-    assert b.status == "cancelled" and 1 <= b.request_counts.completed < 80
+    assert b.status == "cancelled" and 1 <= b.request_counts.completed < 200
     assert not page.locator(f'tr[data-batch="{running_id}"]').get_by_role("link", name="Cancel…").count()
     assert not errors, errors
     context.close()
