@@ -59,6 +59,7 @@ def test_run_dir_records_and_forgets_the_running_policy(tmp_path) -> None:
     assert rd.policy_path() is None and rd.load_running_policy() is None
     src = tmp_path / "p.yaml"
     src.write_text((REPO / "policies" / "demo.yaml").read_text())
+    (tmp_path / "demo-faq.yaml").write_text((REPO / "policies" / "demo-faq.yaml").read_text())  # its static_answers
     rd.record_running(src)
     assert rd.policy_path() == src.resolve()
     assert rd.running_policy_file.read_text() == src.read_text()
@@ -81,6 +82,7 @@ def test_client_resolves_from_the_run_dir(tmp_path, monkeypatch) -> None:
     assert resolve(rd.root) == ("http://127.0.0.1:9090", "tok")  # no running stack: the default
     src = tmp_path / "p.yaml"
     demo = (REPO / "policies" / "demo.yaml").read_text()
+    (tmp_path / "demo-faq.yaml").write_text((REPO / "policies" / "demo-faq.yaml").read_text())  # its static_answers
     assert "  listen: 127.0.0.1:9090\n" in demo
     src.write_text(demo.replace("  listen: 127.0.0.1:9090\n", '  listen: "0.0.0.0:19999"\n'))
     rd.record_running(src)
