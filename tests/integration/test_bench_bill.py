@@ -40,7 +40,7 @@ def test_bill_on_a_real_stack(control_fleet, tmp_path):  # noqa: F811
     assert r.returncode == 0, r.stdout + r.stderr
     assert "prefix affinity" in r.stdout and "cost: multi-turn chat" in r.stdout
     assert "✓ failed requests: baseline 0, kvgate 0" in r.stderr and "target: kvgate's cost" in r.stderr
-    data = json.loads(out.read_text())
+    data = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
     assert data["replay"] == {"kept": True}
     bill = data["bill"]
     b, k = bill["baseline"], bill["kvgate"]

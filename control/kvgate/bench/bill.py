@@ -437,16 +437,28 @@ def render_bill(bill: dict[str, Any]) -> Table:
     return t
 
 
+CHART_LABELS = {
+    "prefix_affinity": "prefix affinity\n(cache-warm node)",
+    "cache_exact": "response cache:\nexact repeats",
+    "cache_semantic": "semantic cache:\nparaphrases",
+    "cache_static": "static FAQ\nanswers",
+    "batch_discount": "Batch API:\nbatch price",
+    "batch_grouping": "Batch API:\nprefix-grouped",
+}
+PART_COLORS = {"trace": "#457b9d", "multi_turn": "#e9c46a", "faq": "#2a9d8f", "batch": "#f4a261"}
+
+
 def write_chart(bill: dict[str, Any], path: Path) -> None:
-    """A waterfall PNG: the baseline's cost, each lever's saving, kvgate's cost (matplotlib, Agg)."""
+    """The bill as a PNG (matplotlib, Agg): left, a waterfall from the baseline's cost through
+    each lever's saving to kvgate's cost; right, each run's cost split by part of the mix."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     base, kv = bill["baseline"]["cost_usd"], bill["kvgate"]["cost_usd"]
-    names = ["baseline"] + [LEVER_NAMES[n].replace(": ", ":\n", 1) for n in bill["levers"]] + ["kvgate"]
-    fig, ax = plt.subplots(figsize=(11, 4.8), dpi=110)
+    names = ["baseline"] + [CHART_LABELS.get(n, n) for n in bill["levers"]] + ["kvgate"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5), dpi=110, gridspec_kw={"width_ratios": [3.2, 1]})
     level = base
     ax.bar(0, base, color="#888888")
     ax.text(0, base, _money(base), ha="center", va="bottom", fontsize=8)
@@ -458,9 +470,29 @@ def write_chart(bill: dict[str, Any], path: Path) -> None:
     ax.text(len(names) - 1, kv, f"{_money(kv)}\n({kv / base:.0%} of baseline)" if base else _money(kv),
             ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(names)), names, fontsize=7)
-    ax.set_ylabel("cost of the run, $ (the demo policy's prices)")
-    ax.set_title("The bill of one mixed workload: what each kvgate lever saved")
+    ax.set_ylabel("cost of the run, $ (the policy's prices)")
+    ax.set_title("What each lever saved", fontsize=10)
     ax.spines[["top", "right"]].set_visible(False)
+    parts = bill.get("by_part") or {}
+    if parts:
+        for x, key in enumerate(("baseline_usd", "kvgate_usd")):
+            bottom = 0.0
+            for part, label in PARTS:
+                v = parts[part][key]
+                ax2.bar(x, v, bottom=bottom, color=PART_COLORS[part], label=label if x == 0 else None, width=0.6)
+                if v > 0.04 * max(base, kv, 1e-12):
+                    ratio = parts[part]["ratio"]
+                    ax2.text(x, bottom + v / 2, f"{_money(v)}" + (f"\n×{ratio:.2f}" if x and ratio else ""),
+                             ha="center", va="center", fontsize=7)
+                bottom += v
+        ax2.set_xticks([0, 1], ["baseline", "kvgate"], fontsize=8)
+        ax2.set_title("Cost by part of the mix", fontsize=10)
+        ax2.legend(fontsize=7, loc="upper right", frameon=False)
+        ax2.set_ylim(0, max(base, kv) * 1.35)
+        ax2.spines[["top", "right"]].set_visible(False)
+    else:
+        ax2.set_visible(False)
+    fig.suptitle("The bill of one mixed workload, plain baseline against kvgate (kvgate bench bill)", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -554,13 +586,25 @@ def bill_command(ctx: click.Context, trace_path: Path | None, mix_path: Path | N
                 prev = json.loads(json_path.read_text())
             except ValueError:
                 prev = {}
-        json_path.write_text(json.dumps({**prev, "bill": bill}, indent=2) + "\n")
+        json_path.write_text(json.dumps({**prev, "bill": _no_nan(bill)}, indent=2, allow_nan=False) + "\n")
         click.echo(f"bill written to {json_path}")
     if chart_path:
         write_chart(bill, chart_path)
         click.echo(f"chart written to {chart_path}")
     if not sound:
         sys.exit(1)
+
+
+def _no_nan(v: Any) -> Any:
+    """``v`` with every NaN float as None: strict JSON (jq, browsers) has no NaN (a figure with no
+    sample, e.g. the TTFT of the baseline's batch lines, which are not streamed)."""
+    if isinstance(v, float) and v != v:
+        return None
+    if isinstance(v, dict):
+        return {k: _no_nan(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_no_nan(x) for x in v]
+    return v
 
 
 def check_bill(bill: dict[str, Any]) -> tuple[list[str], bool]:
