@@ -179,10 +179,15 @@ function _M.access(kctx, cfg)
     local c = kctx.cache
     local entry = _M.lookup(cfg, c, r.parsed, r.endpoint, r.headers, kctx.tenant.scope)
     local pc = kctx.route.pool_cfg
-    if not entry and c.outcome == "MISS" and c.reason == nil and pc and pc.semantic then
-        -- an exact miss of a pool with the semantic cache or static answers (kvgate.semantic);
-        -- a single-flight leader answered here releases its lock in the log phase
-        entry = semantic.lookup(kctx, cfg)
+    if not entry and c.outcome == "MISS" and pc and pc.semantic then
+        if c.reason == nil then
+            -- an exact miss of a pool with the semantic cache or static answers (kvgate.semantic);
+            -- a single-flight leader answered here releases its lock in the log phase
+            entry = semantic.lookup(kctx, cfg)
+        elseif semantic.static_applies(pc.semantic, r.parsed, r.endpoint) then
+            -- no lookup (no-cache, flight-timeout): the answer may not shadow a static one
+            c.static_unchecked = true
+        end
     end
     if entry then
         -- the log phase reads the tokens the hit avoided from it (kvgate.usage.read)
@@ -399,6 +404,12 @@ local function store(cfg, c, endpoint)
     -- a rebuilt stream is re-encoded, so its size is checked again
     if #value > cfg.cache.max_entry_bytes then
         skipped("too-large")
+        return
+    end
+    if c.static_unchecked then
+        -- a single-turn question of a static pool whose static lookup did not run or failed
+        -- (kvgate.semantic.static_applies): stored, it would answer before the static lookup
+        skipped("static-unchecked")
         return
     end
     local sem = c.sem

@@ -140,6 +140,17 @@ function _M.single_turn(req)
     return true
 end
 
+--- static_applies(scfg, req, endpoint) -> true when a static answer could be given to the
+-- request: the pool has static answers and the request is an eligible single-turn chat. Such a
+-- request's engine answer is stored in the exact cache only after the static lookup ran and
+-- missed (kctx.cache.static_unchecked; kvgate.cache), or the stored answer would shadow the
+-- operator's static answer for cache.ttl_s whenever the lookup was skipped (Cache-Control:
+-- no-cache, a single-flight wait that timed out) or failed (the service down or slow).
+function _M.static_applies(scfg, req, endpoint)
+    return scfg ~= nil and scfg.static == true and _M.eligible(scfg, req, endpoint) ~= nil
+        and _M.single_turn(req)
+end
+
 --- eligible(scfg, req, endpoint) -> text | nil, reason: scfg the pool's semantic config
 -- (kvgate.json pools[].semantic); the caller has an exact-cache MISS with its key
 function _M.eligible(scfg, req, endpoint)
@@ -388,6 +399,10 @@ function _M.lookup(kctx, cfg)
     local scope = _M.scope(req, r.endpoint, kctx.tenant.scope or cfg.tenant, c.cred, ns, kv, scfg.model)
     local static = scfg.static and _M.single_turn(req) or false
     local semantic = scfg.enabled == true
+    if static then
+        -- cleared once the service has answered: its static lookup ran (kvgate.cache's store)
+        c.static_unchecked = true
+    end
     if semantic then
         c.sem = { pool = pool, scope = scope, text = text, ttl_s = tonumber(scfg.ttl_s) or cfg.cache.ttl_s,
                   tags = c.tags }
@@ -406,6 +421,7 @@ function _M.lookup(kctx, cfg)
             "next warning in ", WARN_INTERVAL_S, "s): ", status or res)
         return nil
     end
+    c.static_unchecked = nil
     local hit = res.hit
     if type(res.rejected) == "string" and res.rejected ~= "" then
         metrics.incr(_M.REJECTED, { pool = pool, guard = sub(res.rejected, 1, 32) })

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from fakesemantic import FakeSemantic
-from gwfixtures import MODEL, Gateway, _start_gateway, _start_redis, _start_sims, _stop_all, make_policy
+from gwfixtures import MODEL, Gateway, _start_gateway, _start_redis, _start_sims, _stop_all, make_policy, wait_cached
 
 pytestmark = pytest.mark.integration
 
@@ -121,3 +121,50 @@ def test_an_unrelated_question_goes_to_an_engine(env) -> None:
     assert r.status_code == 200 and r.headers["X-Kvgate-Cache"] == "MISS"
     time.sleep(0.2)
     assert engine_requests(gw) == before + 1
+
+
+def _resp_keys(gw: Gateway) -> list[bytes]:
+    return list(gw.redis.client().scan_iter("kvgate:resp:*"))
+
+
+def test_an_engine_answer_never_shadows_a_static_one(env) -> None:
+    """A FAQ question whose static lookup did not run (Cache-Control: no-cache) or failed (the
+    service down) goes to an engine, and that answer is served but not stored: stored, the exact
+    cache would answer the same question with it for cache.ttl_s, before the static lookup."""
+    gw, fake = env
+    q = "What payment methods do you support?"
+    # no-cache: no lookup at all (the client asked for a fresh answer)
+    r = requests.post(gw.url + "/v1/chat/completions", timeout=30, headers={"Cache-Control": "no-cache"},
+                      json={"model": MODEL, "temperature": 0, "max_tokens": 6,
+                            "messages": [{"role": "system", "content": "You are the shop's assistant."},
+                                         {"role": "user", "content": q}]})
+    assert r.status_code == 200 and r.headers["X-Kvgate-Cache"] == "MISS", r.headers
+    assert not fake.calls("/lookup")
+    # the service down: the lookup fails open (a MISS), and nothing is stored either
+    fake.stop()
+    try:
+        r = ask(gw, q)
+        assert r.status_code == 200 and r.headers["X-Kvgate-Cache"] == "MISS"
+    finally:
+        fake.start()
+    gw.wait_metric("kvgate_cache_store_skipped_total", 2, reason="static-unchecked")
+    time.sleep(0.6)  # past the cache's write timer
+    assert not _resp_keys(gw)
+    # the service back: the same question gets the operator's answer, not the engine's
+    r = ask(gw, q)
+    assert r.status_code == 200 and r.headers["X-Kvgate-Cache"] == "STATIC"
+    assert r.json()["choices"][0]["message"]["content"] == ANSWER
+    # a question the static lookup ran for and missed is stored as before
+    r = ask(gw, "Where is my parcel number 4411?")
+    assert r.status_code == 200 and r.headers["X-Kvgate-Cache"] == "MISS"
+    wait_cached(gw, 1)
+    r = ask(gw, "Where is my parcel number 4411?")
+    assert r.headers["X-Kvgate-Cache"] == "HIT"
+    # a follow-up can never get a static answer: stored even without a lookup
+    convo = [{"role": "user", "content": "I have a question about my order."},
+             {"role": "assistant", "content": "Sure, go ahead."},
+             {"role": "user", "content": q}]
+    r = requests.post(gw.url + "/v1/chat/completions", timeout=30, headers={"Cache-Control": "no-cache"},
+                      json={"model": MODEL, "temperature": 0, "max_tokens": 6, "messages": convo})
+    assert r.status_code == 200 and r.headers["X-Kvgate-Cache"] == "MISS"
+    wait_cached(gw, 2)
