@@ -365,6 +365,12 @@ local function listen_of(cfg)
 end
 _M.listen_of = listen_of
 
+-- the service's guard names (kvgate.semantic.guards.check, and "length"): the metric's `guard`
+-- label is one of them or "other", so a service of another version cannot grow the label set
+local GUARDS = { script = true, number = true, date = true, identifier = true, negation = true, antonym = true,
+                 entity = true, substitution = true, order = true, length = true }
+_M.GUARDS = GUARDS
+
 local function count(pool, result)
     metrics.incr(_M.LOOKUPS, { pool = pool, result = result })
 end
@@ -424,7 +430,7 @@ function _M.lookup(kctx, cfg)
     c.static_unchecked = nil
     local hit = res.hit
     if type(res.rejected) == "string" and res.rejected ~= "" then
-        metrics.incr(_M.REJECTED, { pool = pool, guard = sub(res.rejected, 1, 32) })
+        metrics.incr(_M.REJECTED, { pool = pool, guard = GUARDS[res.rejected] and res.rejected or "other" })
     end
     if hit == "static" and static and type(res.answer) == "string" then
         count(pool, "static")

@@ -39,6 +39,7 @@ class FakeSemantic:
         self.entries: list[dict] = []  # the inserts
         self.static: dict[str, str] = {}  # normalised question -> answer (any static scope)
         self.delay_s = 0.0
+        self.reject_as: str | None = None  # the guard name a rejection reports (None: "number")
         self.lock = threading.Lock()
         self.server: socketserver.UnixStreamServer | None = None
         self.conns: list[socket.socket] = []
@@ -62,7 +63,7 @@ class FakeSemantic:
                     return {**out, "hit": "static", "similarity": round(s, 6), "answer": answer}
         if best is not None and best_sim >= q["threshold"]:
             if re.findall(r"\d+", best["text"]) != re.findall(r"\d+", q["text"]):
-                return {**out, "rejected": "number", "similarity": best_sim}
+                return {**out, "rejected": self.reject_as or "number", "similarity": best_sim}
             return {**out, "hit": "semantic", "similarity": round(best_sim, 6), "entry": best["entry"]}
         return out
 
@@ -105,6 +106,7 @@ class FakeSemantic:
             self.entries.clear()
             self.static.clear()
         self.delay_s = 0.0
+        self.reject_as = None
 
     # ------------------------------------------------------------------ server
     def start(self) -> None:

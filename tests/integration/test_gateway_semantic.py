@@ -118,6 +118,13 @@ def test_guard_rejection_and_unrelated_question_are_misses(env) -> None:
     assert unrelated.headers["X-Kvgate-Cache"] == "MISS"
     gw.wait_metric("kvgate_semantic_guard_rejections_total", 1, pool="default", guard="number")
     assert gw.metric_sum("kvgate_semantic_lookups_total", result="rejected") >= 1
+    # a guard name the gateway does not know (another service version) is counted as "other":
+    # the label set stays bounded whatever the service sends
+    for i, name in enumerate(("tone-v2", "x" * 200, 'bad"label\n{')):
+        fake.reject_as = name
+        assert ask(gw, f"What is 17 times {30 + i}?").headers["X-Kvgate-Cache"] == "MISS"
+    gw.wait_metric("kvgate_semantic_guard_rejections_total", 3, pool="default", guard="other")
+    assert gw.metric_sum("kvgate_semantic_guard_rejections_total", pool="default") == 4
 
 
 def test_another_tenants_paraphrase_is_a_miss(env) -> None:
