@@ -18,6 +18,7 @@ local metrics = require "kvgate.metrics"
 local ngx = ngx
 local now = ngx.now
 local sleep = ngx.sleep
+local on_abort = ngx.on_abort
 local pairs = pairs
 local min = math.min
 
@@ -75,9 +76,11 @@ local function try(d, pool, cap)
     return false
 end
 
---- enter(a, pool, adm, priority) -> true | nil, why ("full" | "timeout")
+--- enter(a, pool, adm, priority) -> true | nil, why ("full" | "timeout" | "aborted")
 -- a: kctx.admission (the slot and the wait are recorded there for release()); adm: the
--- pool's admission config; priority: "interactive" | "batch". Waits (ngx.sleep) while queued.
+-- pool's admission config; priority: "interactive" | "batch". Waits (ngx.sleep) while queued;
+-- a client that closes its connection meanwhile (lua_check_client_abort, ngx.on_abort) leaves
+-- the queue at the next poll, "aborted", and never takes a slot.
 function _M.enter(a, pool, adm, priority)
     local d = dict()
     local cap = capacity(pool, adm.node_capacity)
@@ -102,15 +105,28 @@ function _M.enter(a, pool, adm, priority)
     local deadline = start + adm.queue_timeout_s
     local poll = _M.POLL_MIN_S
     local ok = false
+    -- the callback runs in its own light thread; only the queued pay for it (registered once:
+    -- nothing else in the access phase registers one)
+    local aborted = false
+    on_abort(function()
+        aborted = true
+    end)
     repeat
         sleep(poll)
         poll = min(poll * 1.5, _M.POLL_MAX_S)
-        if interactive or (d:get(ik) or 0) == 0 then
+        if not aborted and (interactive or (d:get(ik) or 0) == 0) then
             ok = try(d, pool, capacity(pool, adm.node_capacity))
         end
-    until ok or now() >= deadline
+    until ok or aborted or now() >= deadline
     _M.leave_queue(a)
     metrics.observe("kvgate_admission_wait_seconds", { pool = pool }, now() - start)
+    if aborted then
+        if ok then
+            -- the slot of a client gone in the same poll goes back at once
+            dict():incr(key(pool, "inflight"), -1, 0)
+        end
+        return nil, "aborted"
+    end
     if not ok then
         return nil, "timeout"
     end

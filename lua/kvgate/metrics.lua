@@ -37,7 +37,7 @@ _M.FAMILIES = {
     kvgate_admission_waiting = { "gauge", "Requests waiting in a pool's admission queue at this gateway (all workers)." },
     kvgate_admission_inflight = { "gauge", "Requests holding a slot of a pool's admission queue (node_capacity per serving node) at this gateway." },
     kvgate_admission_wait_seconds = { "histogram", "Time requests waited in a pool's admission queue (seconds; only requests that waited)." },
-    kvgate_admission_rejected_total = { "counter", "Requests answered 503 overloaded by a pool's admission queue (reason = full | timeout)." },
+    kvgate_admission_rejected_total = { "counter", "Requests a pool's admission queue turned away: 503 overloaded (reason = full | timeout), or a client that closed its connection while it waited (aborted, logged 499)." },
     kvgate_ratelimited_total = { "counter", "Requests answered 429 by a tenant's limit (limit = rpm, tpm, session_rpm, key_rpm, key_tpm or concurrency)." },
     kvgate_ratelimit_redis_errors_total = { "counter", "Limited requests whose limits could not be checked in Redis: admitted under the gateway's own fallback limits (limits.on_redis_error: allow) or refused (deny)." },
     kvgate_tokens_total = { "counter", "Tokens the engines computed for answers through the gateway, from each answer's usage: kind = prompt (all prompt tokens), cached (the prompt tokens served from the engine's prefix cache, prompt_tokens_details.cached_tokens) or completion." },

@@ -121,3 +121,46 @@ def test_interactive_requests_go_before_batch(agw: Gateway) -> None:
 def test_a_bad_priority_is_refused(agw: Gateway) -> None:
     r = agw.chat("x", headers={"X-Kvgate-Priority": "urgent"}, max_tokens=2)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_priority"
+
+
+def test_a_client_that_leaves_the_queue_never_reaches_an_engine(agw: Gateway) -> None:
+    """All 40 slots busy (2 s requests); a queued client closes its connection after 0.3 s: its
+    place goes at the next poll (the waiting gauge is 0 long before a slot frees), it is counted
+    `aborted`, logged 499, and no engine ever gets it."""
+    def served() -> float:
+        return sum(s.metrics().get("vllm:request_success_total", 0.0) for s in agw.sims)
+
+    agw.wait_metric("kvgate_admission_inflight", 0, pool="default")
+    before = served()
+
+    async def run() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async def fill(i: int) -> None:
+                async with s.post(agw.url + "/v1/chat/completions", json={
+                        "model": MODEL, "max_tokens": 200,
+                        "messages": [{"role": "user", "content": f"fill {i}"}]}) as r:
+                    await r.read()
+                    assert r.status == 200
+
+            tasks = [asyncio.create_task(fill(i)) for i in range(40)]
+            await asyncio.sleep(0.3)
+            assert agw.metric_sum("kvgate_admission_inflight", pool="default") == 40
+
+            def leave() -> None:
+                with pytest.raises(requests.exceptions.ReadTimeout):
+                    requests.post(agw.url + "/v1/chat/completions", timeout=(2, 0.3), json={
+                        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "gone"}]})
+
+            await asyncio.to_thread(leave)
+            # gone from the queue at once, while every slot is still held by the fill
+            await asyncio.to_thread(agw.wait_metric, "kvgate_admission_rejected_total", 1, 1.0, pool="default",
+                                    priority="interactive", reason="aborted")
+            assert agw.metric_sum("kvgate_admission_waiting", pool="default") == 0
+            assert agw.metric_sum("kvgate_admission_inflight", pool="default") == 40
+            await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    agw.wait_metric("kvgate_admission_inflight", 0, pool="default")
+    time.sleep(0.3)
+    assert served() == before + 40, "the request that left never reached an engine"
+    assert agw.metric_sum("kvgate_requests_total", status="499") >= 1

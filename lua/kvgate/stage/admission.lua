@@ -47,6 +47,10 @@ function _M.access(kctx, cfg)
         return
     end
     metrics.incr(M.admission_rejected, { pool = route.pool, reason = why, priority = prio })
+    if why == "aborted" then
+        -- nobody to answer: nginx's code for a client that closed its connection
+        return ngx.exit(499)
+    end
     ngx.header["Retry-After"] = tostring(ceil(why == "full" and 1 or adm.queue_timeout_s / 10))
     return errors.send(503, why == "full"
         and "The pool is overloaded and its admission queue is full; retry shortly."
