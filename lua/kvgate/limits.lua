@@ -47,6 +47,7 @@ local gsub = string.gsub
 local _M = {}
 
 _M.WINDOW_MS = 60000
+_M.FALLBACK_DICT = "kvgate_limits"
 
 -- KEYS: the buckets. ARGV[1]: now (ms); then per bucket 4 values: kind ("b" bucket | "c"
 -- concurrency), cap, window (ms; for "c" the slot's lifetime), cost (for "c" the request id).
@@ -297,9 +298,11 @@ local function admit_batched(redis_cfg, buckets, now_ms)
     return admit_reply(r, #buckets)
 end
 
--- the fallback: this gateway's fixed windows (the minute's index since the epoch) in kvgate_state
+-- the fallback: this gateway's fixed windows (the minute's index since the epoch) in their own
+-- dict (kvgate_limits: a key per tenant, API key and session; kvgate_state's fixed-size state
+-- must not be evicted by them)
 local function admit_local(buckets, now_s, factor)
-    local d = ngx.shared.kvgate_state
+    local d = ngx.shared[_M.FALLBACK_DICT]
     local w = floor(now_s / 60)
     local taken = {}
     for i = 1, #buckets do
@@ -329,7 +332,7 @@ end
 
 --- release_local(taken): give back the concurrency counts of a fallback admission
 function _M.release_local(buckets, taken)
-    local d = ngx.shared.kvgate_state
+    local d = ngx.shared[_M.FALLBACK_DICT]
     for i = 1, #buckets do
         if buckets[i].kind == "c" and taken[i] then
             d:incr(taken[i][1], -1, 0)

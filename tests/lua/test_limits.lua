@@ -11,7 +11,13 @@ local dict = {
     end,
 }
 local clock = 1700000000.5
-_G.ngx = { shared = { kvgate_state = dict }, log = function() end, WARN = 4, now = function() return clock end }
+-- the fallback has a dict of its own: its keys (per tenant, key, session) must never evict
+-- kvgate_state's fixed-size state (breakers, admission counters, Redis's state)
+local untouchable = setmetatable({}, { __index = function(_, k)
+    error("the limits' fallback used kvgate_state (" .. tostring(k) .. ")")
+end })
+_G.ngx = { shared = { kvgate_limits = dict, kvgate_state = untouchable }, log = function() end, WARN = 4,
+           now = function() return clock end }
 package.loaded["kvgate.redis"] = { down = function() return true end, trip = function() end }
 local limits = require "kvgate.limits"
 
