@@ -33,7 +33,7 @@ demo: setup
 	$(KVGATE) bench bill --trace "$(TRACE)" --scale $(DEMO_SCALE) --speedup $(DEMO_SPEEDUP) \
 	  --json demo-report.json --chart demo-bill.png && \
 	echo && $(KVGATE) status && \
-	echo "make demo took $$(( $$(date +%s) - start )) s; the stack keeps running (stop it with 'make down')" && \
+	echo "make demo took $$(( $$(date +%s) - start )) s after make setup; the stack keeps running (stop it with 'make down')" && \
 	echo "admin page: http://$$($(VENV)/bin/python -c 'import sys; from kvgate.policy import load_policy; \
 	  from kvgate.addr import connect_address; print(connect_address(load_policy(sys.argv[1]).control.listen))' \
 	  '$(DEMO_POLICY)')/admin/  (sign in with the token '$(KVGATE) token' prints)"
