@@ -95,6 +95,33 @@ class RunDir:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    def files_base(self) -> Path | None:
+        """The folder the running policy's relative file names (``static_answers``) are read from:
+        the one a ``kvgate apply FILE`` since ``up`` recorded (FILE's folder), else the folder of
+        the file ``up`` started from."""
+        try:
+            base = json.loads(self.state_file.read_text()).get("files_base")
+        except (OSError, ValueError, AttributeError):
+            base = None
+        if base:
+            return Path(base)
+        original = self.policy_path()
+        return original.parent if original else None
+
+    def record_files_base(self, base: str | Path | None) -> None:
+        """Note the running policy's files folder in ``state.json`` (the control plane, after an
+        apply through its API; nothing when no stack was recorded or ``base`` is None)."""
+        try:
+            state = json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            return
+        if not isinstance(state, dict) or base is None or state.get("files_base") == str(base):
+            return
+        state["files_base"] = str(base)
+        tmp = self.state_file.with_suffix(".json.new")
+        tmp.write_text(json.dumps(state) + "\n")
+        os.replace(tmp, self.state_file)
+
     def load_running_policy(self) -> Policy | None:
         """The policy the stack runs (its copy in the run directory), or None if none was started.
 
@@ -103,8 +130,7 @@ class RunDir:
         """
         if self.running_policy_file.exists():
             # relative file names (static_answers) are the operator's file's, not the copy's
-            original = self.policy_path()
-            return load_policy(self.running_policy_file, files_base=original.parent if original else None)
+            return load_policy(self.running_policy_file, files_base=self.files_base())
         return None
 
     def record_running(self, policy_path: Path) -> None:
@@ -113,7 +139,8 @@ class RunDir:
         tmp = self.running_policy_file.with_suffix(".yaml.new")
         tmp.write_text(Path(policy_path).read_text(encoding="utf-8"), encoding="utf-8")
         os.replace(tmp, self.running_policy_file)
-        self.state_file.write_text(json.dumps({"policy": str(Path(policy_path).resolve())}) + "\n")
+        self.state_file.write_text(json.dumps({"policy": str(Path(policy_path).resolve()),
+                                               "files_base": str(Path(policy_path).resolve().parent)}) + "\n")
 
     def clear_running(self) -> None:
         """Forget the running policy (``kvgate down``)."""

@@ -437,7 +437,8 @@ class Stack:
 
         try:
             client = ControlClient(self.control_url(policy), read_token(self.token_file), timeout=120)
-            res = client.apply(Path(policy_path).read_text(encoding="utf-8"), source=f"kvgate up {policy_path}")
+            res = client.apply(Path(policy_path).read_text(encoding="utf-8"), source=f"kvgate up {policy_path}",
+                               files_base=str(Path(policy_path).resolve().parent))
         except (ControlError, OSError, ValueError) as exc:
             raise StackError(f"control: applying the policy failed: {exc}") from None
         return (f"applied policy version {res['version']} (nginx {res['result']})" if res["changed"]

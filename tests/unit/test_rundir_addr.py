@@ -105,3 +105,31 @@ def test_the_running_copy_reads_relative_static_answers_from_the_operators_folde
     rd.root.mkdir()
     rd.record_running(src / "p.yaml")
     assert rd.load_running_policy().pools[0].semantic.static_answers == "faq.yaml"
+
+
+def test_the_running_copy_follows_the_folder_of_the_file_applied_since(tmp_path):
+    """After `kvgate apply other/p.yaml` (the control plane records its folder, files_base in
+    state.json), the running copy's relative static_answers are read from other/, not from the
+    folder of the file `up` started from."""
+    from kvgate.policy import PolicyError
+    from kvgate.rundir import RunDir
+
+    policy = ("version: 1\npools:\n  - name: p\n    models: [m]\n    nodes: [{id: n1, url: 'http://127.0.0.1:9'}]\n"
+              "    semantic: {static_answers: faq.yaml}\n")
+    first, other = tmp_path / "first", tmp_path / "other"
+    for d in (first, other):
+        d.mkdir()
+        (d / "p.yaml").write_text(policy)
+    (first / "faq.yaml").write_text("answers:\n  - questions: ['When are you open?']\n    answer: '9 to 5.'\n")
+    rd = RunDir(tmp_path / "run")
+    rd.root.mkdir()
+    rd.record_running(first / "p.yaml")
+    assert rd.files_base() == first.resolve()
+    rd.record_files_base(other)  # what the control plane's apply of other/p.yaml writes
+    assert rd.files_base() == other
+    with pytest.raises(PolicyError) as err:  # other/ has no faq.yaml: named at the field's path
+        rd.load_running_policy()
+    assert err.value.issues[0].path == "pools[0].semantic.static_answers"
+    assert "cannot read" in err.value.issues[0].reason
+    (other / "faq.yaml").write_text("answers:\n  - questions: ['When are you open?']\n    answer: '8 to 4.'\n")
+    assert rd.load_running_policy().pools[0].semantic.static_answers == "faq.yaml"

@@ -39,10 +39,14 @@ def test_model_files_come_from_site_packages() -> None:
 
 
 def test_the_labelled_set() -> None:
-    tune, test = load_pairs("tune"), load_pairs("test")
+    tune, test, holdout = load_pairs("tune"), load_pairs("test"), load_pairs("holdout")
     assert len(tune) + len(test) >= 300
+    assert len(holdout) >= 80
     assert not {(p.a, p.b) for p in tune} & {(p.a, p.b) for p in test}  # written apart
-    for pairs in (tune, test):
+    # the held-out set is written fresh: none of its questions is a question of the other two
+    seen = {q for p in tune + test for q in (p.a, p.b)}
+    assert not {q for p in holdout for q in (p.a, p.b)} & seen
+    for pairs in (tune, test, holdout):
         kinds = {p.kind for p in pairs}
         assert {"paraphrase", "negation", "antonym", "number", "date", "identifier", "entity", "unrelated",
                 "conversation"} <= kinds

@@ -26,7 +26,7 @@ def test_api_drain_passes_force_and_answers_202(client, plane) -> None:
 def test_api_policy_get_and_apply(client, plane) -> None:
     r = client.get("/api/v1/policy", headers=BEARER)
     assert r.get_json() == {"version": 1, "yaml": POLICY_YAML, "source": "test", "applied_at": 1_700_000_000.0,
-                            "digest": "d1"}
+                            "digest": "d1", "files_base": None}
     r = client.put("/api/v1/policy", data=POLICY_YAML, headers={**BEARER, "X-Kvgate-Source": "kvgate apply"})
     assert r.status_code == 200 and r.get_json()["version"] == 2
     assert plane.last("apply_policy") == ("apply_policy", (), {"source": "kvgate apply", "force": False})

@@ -158,11 +158,14 @@ class FakePlane:
         self._call("warm", node_id, reason=reason)
         return self.node_view(node_id)
 
-    def validate(self, text: str):
+    files_base: str | None = None  # the running policy's folder (ControlPlane.files_base)
+
+    def validate(self, text: str, files_base: str | None = None):
         self._call("validate")
         return parse_policy_text(text)
 
-    def apply_policy(self, text: str, source: str, force: bool = False) -> dict[str, Any]:
+    def apply_policy(self, text: str, source: str, force: bool = False, base_version: int | None = None,
+                     files_base: str | None = None) -> dict[str, Any]:
         self._call("apply_policy", source=source, force=force)
         parse_policy_text(text)
         return {"version": 2, "changed": True, "result": "reloaded"}

@@ -246,7 +246,9 @@ def apply_command(ctx, policy: Path, force: bool, control_url, token) -> None:
         sys.exit(2)
     client = _client(ctx, control_url, token)
     try:
-        res = client.apply(text, source=f"kvgate apply {policy}", force=force)
+        # relative static_answers are FILE's folder's (not the control plane's cwd or run dir)
+        res = client.apply(text, source=f"kvgate apply {policy}", force=force,
+                           files_base=str(policy.resolve().parent))
     except ControlError as exc:
         if exc.code == "node_has_work":
             busy = exc.error.get("nodes") or []

@@ -48,8 +48,10 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
     rd = RunDir((ctx.obj or {}).get("run_dir"))
     run_dir = rd.root
     text = None
+    files_base = None
     try:
         if policy_path is not None:
+            files_base = str(policy_path.resolve().parent)  # its relative static_answers
             policy = load_policy(policy_path)
             text = policy_path.read_text(encoding="utf-8")
             source = f"kvgate control --policy {policy_path}"
@@ -90,7 +92,7 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
         click.echo(f"error: cannot listen on {listen}: {getattr(exc, 'strerror', None) or exc}", err=True)
         sys.exit(1)
     try:
-        plane.start(text, source)
+        plane.start(text, source, files_base)
     except PolicyError as exc:
         server.close()
         click.echo(f"error: invalid policy {exc.source}: " + "; ".join(str(i) for i in exc.issues), err=True)

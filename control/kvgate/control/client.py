@@ -93,15 +93,21 @@ class ControlClient:
     def action(self, node_id: str, action: str) -> dict[str, Any]:
         return self._call("POST", f"/api/v1/nodes/{node_id}/{action}")
 
-    def apply(self, yaml_text: str, source: str = "kvgate apply", force: bool = False) -> dict[str, Any]:
-        """``PUT /api/v1/policy``; ``force`` removes nodes that still have work (else 409 ``node_has_work``)."""
+    def apply(self, yaml_text: str, source: str = "kvgate apply", force: bool = False,
+              files_base: str | None = None) -> dict[str, Any]:
+        """``PUT /api/v1/policy``; ``force`` removes nodes that still have work (else 409 ``node_has_work``);
+        ``files_base``: the absolute folder of the policy file (its relative ``static_answers``)."""
+        headers = {"Content-Type": "application/yaml", "X-Kvgate-Source": source}
+        if files_base:
+            headers["X-Kvgate-Policy-Dir"] = files_base
         return self._call("PUT", "/api/v1/policy", data=yaml_text.encode(), timeout=120,
-                          params={"force": "true"} if force else None,
-                          headers={"Content-Type": "application/yaml", "X-Kvgate-Source": source})
+                          params={"force": "true"} if force else None, headers=headers)
 
-    def validate(self, yaml_text: str) -> dict[str, Any]:
-        return self._call("POST", "/api/v1/policy/validate", data=yaml_text.encode(),
-                          headers={"Content-Type": "application/yaml"})
+    def validate(self, yaml_text: str, files_base: str | None = None) -> dict[str, Any]:
+        headers = {"Content-Type": "application/yaml"}
+        if files_base:
+            headers["X-Kvgate-Policy-Dir"] = files_base
+        return self._call("POST", "/api/v1/policy/validate", data=yaml_text.encode(), headers=headers)
 
     def policy(self) -> dict[str, Any]:
         return self._call("GET", "/api/v1/policy")

@@ -85,6 +85,10 @@ class ControlPlane:
         self.policy: Policy | None = None
         self.policy_version: dict[str, Any] | None = None
         self.policy_text: str | None = None
+        self.files_base: str | None = None
+        """The folder the running policy's relative file names (``static_answers``) are read from:
+        the folder of the policy file applied (``kvgate apply FILE``, ``kvgate up FILE``,
+        ``kvgate control --policy FILE``); an edit without a file (the admin page) keeps it."""
         self.nodes: dict[str, NodeRecord] = {}
         self.pools: dict[str, PoolState] = {}
         self._snap = Snapshot()
@@ -108,12 +112,12 @@ class ControlPlane:
         self._batch_api: Any = None
 
     # ================================================================ lifecycle
-    def start(self, policy_text: str | None, source: str) -> None:
+    def start(self, policy_text: str | None, source: str, files_base: str | None = None) -> None:
         """Load state from Redis, make a policy current (``policy_text``: the ``--policy`` file,
         see :func:`kvgate.control.versions.load`), resume warm-ups and start the reconciler.
         Raises PolicyError, StoreError, ApplyError, ValueError (no policy anywhere)."""
         with self.lock, self.changing():
-            versions.load(self, policy_text, source)
+            versions.load(self, policy_text, source, files_base)
             # warm-ups do not survive a restart: a node that was warming starts its warm-up
             # again (a manual one on another state is just marked interrupted)
             for rec in list(self.nodes.values()):
@@ -188,6 +192,13 @@ class ControlPlane:
         """Store a node record (a store error is logged: memory stays authoritative)."""
         try:
             self.store.put_node(rec.to_json())
+        except StoreError as exc:
+            log.warning("%s", exc)
+
+    def put_records(self, recs: list[NodeRecord]) -> None:
+        """Store node records in one round trip (a store error is logged: memory stays authoritative)."""
+        try:
+            self.store.put_nodes([rec.to_json() for rec in recs])
         except StoreError as exc:
             log.warning("%s", exc)
 
@@ -275,10 +286,10 @@ class ControlPlane:
             rec = self._rec(node_id)
             now = time.time()
             self.apply(engine_start_changes(rec, report, now))  # also while the store is down (answered 503)
-            self.store.put_report(node_id, report, now)
             interval_s = self.policy.control.report_interval_s if self.policy else 2.0
-            # the engine's queue/running/KV use where the gateway's balancers read them (kvgate.node_load)
-            self.store.put_node_load(rec.pool, node_id, report, now, interval_s)
+            # the report, and the engine's queue/running/KV use where the gateway's balancers read
+            # them (kvgate.node_load), in one round trip
+            self.store.put_report_and_load(rec.pool, node_id, report, now, interval_s)
             self.history.add_report(node_id, now, report)
             self.metrics.reports.labels(node_id).inc()
             if not self.nodes[node_id].has_agent:
@@ -412,16 +423,16 @@ class ControlPlane:
         return self.node_view(node_id)
 
     # ================================================================ policy
-    def validate(self, text: str) -> Policy:
+    def validate(self, text: str, files_base: str | None = None) -> Policy:
         """See :func:`kvgate.control.versions.validate`. Raises PolicyError, ApplyError."""
-        return versions.validate(self, text)
+        return versions.validate(self, text, files_base)
 
     def apply_policy(self, text: str, source: str, force: bool = False,
-                     base_version: int | None = None) -> dict[str, Any]:
+                     base_version: int | None = None, files_base: str | None = None) -> dict[str, Any]:
         """Validate and apply a policy as one transaction (:func:`kvgate.control.versions.apply_policy`):
         ``{"version", "result", "changed"}``. Raises StaleVersion, PolicyError, NodeHasWork, ApplyError,
         StoreError."""
-        return versions.apply_policy(self, text, source, force, base_version)
+        return versions.apply_policy(self, text, source, force, base_version, files_base)
 
     def invalidate_cache(self, source: str) -> dict[str, Any]:
         """Retire every cached response (:func:`kvgate.control.versions.invalidate_cache`):

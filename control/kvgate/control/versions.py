@@ -33,13 +33,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.control")
 
 
-def load(plane: ControlPlane, policy_text: str | None, source: str) -> None:
+def load(plane: ControlPlane, policy_text: str | None, source: str, files_base: str | None = None) -> None:
     """Load the plane's state from its store and make a policy current (the caller holds the
     plane's locks; see :meth:`kvgate.control.plane.ControlPlane.start`).
 
     ``policy_text`` (the ``--policy`` file) is applied when it differs from the file applied at
     the previous start; when the file is unchanged, the latest applied version stays (a policy
     applied through the API survives a restart). Without a file, the latest version is used.
+    ``files_base``: the ``--policy`` file's folder (its relative ``static_answers``); a stored
+    version brings its own.
     Raises PolicyError, StoreError, ApplyError, ValueError (no policy anywhere)."""
     latest = plane.store.latest_version()
     file_digest = hashlib.sha256(policy_text.encode()).hexdigest() if policy_text is not None else None
@@ -47,6 +49,7 @@ def load(plane: ControlPlane, policy_text: str | None, source: str) -> None:
         if latest is None:
             raise ValueError("no policy: pass --policy (nothing was applied before in this Redis)")
         policy_text, source = latest["yaml"], f"restart (version {latest['version']})"
+        files_base = latest.get("files_base")
     plane.nodes = node_records(plane.store.nodes())
     plane.namespace_floor = int(plane.store.get("cache_namespace_max") or 0)
     from .semcache import load_floor
@@ -56,9 +59,10 @@ def load(plane: ControlPlane, policy_text: str | None, source: str) -> None:
         policy = parse_policy_text(policy_text, f"version {latest['version']}")
         plane.apply(adopt(plane, policy, policy_text))
         plane.policy_version = latest
+        plane.files_base = latest.get("files_base") or files_base
         plane.apply_runtime(force=True)
     else:
-        apply_policy(plane, policy_text, source)
+        apply_policy(plane, policy_text, source, files_base=files_base)
     if file_digest:
         plane.store.set("startup_file_digest", file_digest)
 
@@ -144,15 +148,46 @@ def check_restart_fields(current: Policy, policy: Policy) -> None:
         raise PolicyError("policy", issues)
 
 
-def validate(plane: ControlPlane, text: str) -> Policy:
-    """Parse and check a policy text, including ``nginx -t`` of its render and the fields a
-    running control plane cannot change (its address, its Redis). Raises PolicyError (field
-    paths) or ApplyError (nginx refused the rendered config)."""
+def files_base_of(plane: ControlPlane, files_base: str | None) -> str | None:
+    """The folder a policy's relative file names are read from: ``files_base`` (the folder of
+    the file applied: ``kvgate apply FILE`` sends it), else the running policy's (a text without a
+    file, such as the admin page's editor, names files as the running policy does), else None."""
+    return files_base or plane.files_base
+
+
+def check_files(policy: Policy, files_base: str | None) -> None:
+    """The pools' ``semantic.static_answers`` files read and validated (relative names against
+    ``files_base``), as ``kvgate validate`` does. Raises PolicyError naming
+    ``pools[i].semantic.static_answers`` and the file's row or field."""
+    from pathlib import Path
+
+    from ..policy.loader import static_answers_issues
+
+    issues: list[PolicyIssue] = []
+    unplaced = [i for i, p in enumerate(policy.pools)
+                if p.semantic.static_answers and not Path(p.semantic.static_answers).is_absolute()]
+    if files_base is None and unplaced:
+        issues = [PolicyIssue(f"pools[{i}].semantic.static_answers",
+                              f"{policy.pools[i].semantic.static_answers}: a relative path, but no folder is known to "
+                              "read it from: apply the policy file (`kvgate apply FILE`: relative to FILE's folder) "
+                              "or name the file by an absolute path") for i in unplaced]
+    else:
+        issues = static_answers_issues(policy, Path(files_base or "/"))
+    if issues:
+        raise PolicyError("policy", issues)
+
+
+def validate(plane: ControlPlane, text: str, files_base: str | None = None) -> Policy:
+    """Parse and check a policy text, including its static answers files (relative to
+    :func:`files_base_of`), ``nginx -t`` of its render and the fields a running control plane
+    cannot change (its address, its Redis). Raises PolicyError (field paths) or ApplyError (nginx
+    refused the rendered config)."""
     from ..render import render
 
     policy = parse_policy_text(text, "policy")
     if plane.policy is not None:
         check_restart_fields(plane.policy, policy)
+    check_files(policy, files_base_of(plane, files_base))
     try:
         plane.nginx.test(render(policy, plane.nginx.lua_dir, plane.applied))
     except (NginxError, ValueError) as exc:
@@ -195,8 +230,14 @@ def adopt(plane: ControlPlane, policy: Policy, text: str) -> list[Event]:
 
 
 def apply_policy(plane: ControlPlane, text: str, source: str, force: bool = False,
-                 base_version: int | None = None) -> dict[str, Any]:
+                 base_version: int | None = None, files_base: str | None = None) -> dict[str, Any]:
     """Validate and apply a policy as one transaction.
+
+    ``files_base``: the folder of the policy file applied (absolute), where its relative
+    ``static_answers`` are read from; None (a text without a file: the admin page's editor, an
+    API client that sends no ``X-Kvgate-Policy-Dir``) keeps the running policy's folder. The files
+    are validated before anything changes, and the folder is recorded with the version (the
+    semantic service reads the files from it).
 
     A policy that drops a node that still has work (:func:`removal_work`, on figures read
     before any lock of the plane is taken here) is refused unless ``force``; a forced removal
@@ -230,6 +271,8 @@ def apply_policy(plane: ControlPlane, text: str, source: str, force: bool = Fals
             policy = parse_policy_text(text, "policy")
             if plane.policy is not None:
                 check_restart_fields(plane.policy, policy)
+            files_dir = files_base_of(plane, files_base)
+            check_files(policy, files_dir)
         except PolicyError as exc:
             plane.metrics.policy_applies.labels("invalid").inc()
             plane.event(EventKind.POLICY_REJECTED, f"policy from {source} rejected: "
@@ -275,11 +318,15 @@ def apply_policy(plane: ControlPlane, text: str, source: str, force: bool = Fals
                 message += f" (forced while it still had work: {work_text(forced[ev.node])})"
             plane.event(ev.kind, message, ev.node, ev.pool, **ev.data)
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        relative = any(p.semantic.static_answers and not os.path.isabs(p.semantic.static_answers)
+                       for p in policy.pools)
         try:
             latest = plane.store.latest_version()
-            changed = not latest or latest["yaml"] != text
+            # the same text from another folder names other files: a new version
+            changed = not latest or latest["yaml"] != text or (relative and latest.get("files_base") != files_dir)
             if changed:
-                plane.policy_version = plane.store.add_version(text, digest, source, keep=policy.control.versions_kept)
+                plane.policy_version = plane.store.add_version(text, digest, source, keep=policy.control.versions_kept,
+                                                               files_base=files_dir)
                 plane.event(EventKind.POLICY_APPLIED, f"policy version {plane.policy_version['version']} applied "
                             f"from {source} (nginx {result})", version=plane.policy_version["version"])
             else:
@@ -289,7 +336,8 @@ def apply_policy(plane: ControlPlane, text: str, source: str, force: bool = Fals
             log.warning("policy applied but not recorded as a version: %s", exc)
             changed = True
             plane.policy_version = {"version": None, "yaml": text, "digest": digest, "source": source,
-                                    "applied_at": time.time()}
+                                    "applied_at": time.time(), "files_base": files_dir}
+        plane.files_base = files_dir
         plane.metrics.policy_applies.labels("applied").inc()
         write_running_copy(plane, text)
         return {"version": plane.policy_version["version"], "result": result, "changed": changed}
@@ -327,14 +375,18 @@ def rollback(plane: ControlPlane, version: int, by: str | None = None, force: bo
     for v in plane.store.versions():
         if v["version"] == version:
             return apply_policy(plane, v["yaml"], f"rollback to version {version}" + (f" by {by}" if by else ""),
-                                force=force)
+                                force=force, files_base=v.get("files_base"))
     raise NotFound(f"no stored policy version {version}")
 
 
 def write_running_copy(plane: ControlPlane, text: str) -> None:
-    """Keep ``run_dir/policy.yaml`` (what ``kvgate up``/``status`` read) in step with the API."""
+    """Keep ``run_dir/policy.yaml`` (what ``kvgate up``/``status`` read) in step with the API,
+    and the folder its relative file names are read from (``files_base`` in ``state.json``)."""
     if not plane.run_dir or not (plane.run_dir / "policy.yaml").exists():
         return
     tmp = plane.run_dir / "policy.yaml.api"
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, plane.run_dir / "policy.yaml")
+    from ..rundir import RunDir
+
+    RunDir(plane.run_dir).record_files_base(plane.files_base)

@@ -35,6 +35,16 @@ def _default(field) -> str:
     return f"`{json.dumps(value)}`"
 
 
+def _summary(doc: str | None) -> str:
+    """A docstring's first paragraph on one line (its first line alone may stop mid-sentence)."""
+    para = []
+    for line in (doc or "").strip().splitlines():
+        if not line.strip():
+            break
+        para.append(line.strip())
+    return " ".join(para)
+
+
 def markdown() -> str:
     """The reference as Markdown: one table per section, in the order of the YAML file."""
     out = ["# Policy reference", "",
@@ -47,7 +57,7 @@ def markdown() -> str:
         if model in seen:
             continue
         seen.add(model)
-        out += [f"## `{path}` — {model.__name__}", "", (model.__doc__ or "").strip().splitlines()[0], "",
+        out += [f"## `{path}` — {model.__name__}", "", _summary(model.__doc__), "",
                 "| field | type | default | description |", "|---|---|---|---|"]
         for name, field in model.model_fields.items():
             ann = field.annotation
@@ -61,7 +71,7 @@ def markdown() -> str:
             if sub is not None:
                 prefix = "" if path == "(top level)" else path + "."
                 sections.append((f"{prefix}{name}" + ("[]" if typing.get_origin(ann) is list else ""), sub))
-            desc = field.description or (sub.__doc__ or "").strip().splitlines()[0] if sub else field.description
+            desc = field.description or _summary(sub.__doc__) if sub else field.description
             desc = (desc or "").replace("|", "\\|")
             out.append(f"| `{name}` | {_type_name(ann)} | {_default(field)} | {desc} |")
         out.append("")

@@ -53,9 +53,12 @@ class PoolSemanticConfig(_Strict):
         1, ge=1, description="Part of every semantic and static key: bump it when the documents or the facts "
         "answers depend on change (also `kvgate cache bump-knowledge POOL`, the admin page's Cache page).")
     static_answers: str | None = Field(
-        None, description="A YAML or CSV file of question → answer pairs (several phrasings per answer allowed; "
-        "relative to the policy file) answered by the gateway with `X-Kvgate-Cache: STATIC`, no engine touched. "
-        "Validated and reloaded with the policy.")
+        None, description="A YAML or CSV file of question → answer pairs (several phrasings per answer allowed) "
+        "answered by the gateway with `X-Kvgate-Cache: STATIC`, no engine touched. A relative path is relative to "
+        "the folder of the policy file applied (`kvgate apply FILE`, `kvgate up FILE`); a policy edited on the admin "
+        "page, which has no file, reads it from the running policy's folder. Validated with the policy (an apply "
+        "whose file is missing or invalid is refused) and reloaded by the semantic service after each apply and "
+        "when the file changes.")
 
     @field_validator("similarity_min", mode="before")
     @classmethod

@@ -1,7 +1,7 @@
 """``kvgate bench semantic``: the semantic cache on the labelled set (:mod:`.labelled`) and its
 lookup latency with 10,000 entries, plus the two indexes side by side.
 
-1. **Quality** (tune and test-only sets apart): every pair's cached question ``a`` and asked
+1. **Quality** (the tune, test-only and held-out sets apart, each its own row): every pair's cached question ``a`` and asked
    question ``b`` are embedded; ``b`` hits ``a`` when both have the same conversation (scope), the
    cosine similarity is at or above the threshold and no guard tells them apart — the service's
    rule (:meth:`SemanticCache.lookup`). Precision, recall and false-hit rate (false hits / pairs
@@ -9,7 +9,7 @@ lookup latency with 10,000 entries, plus the two indexes side by side.
    false-hit rate without the guards for comparison.
 2. **The real service**: a private redis-server and ``kvgate semantic`` on a unix socket; each
    pair's ``a`` inserted through /insert in its own scope, ``b`` looked up through /lookup at the
-   configured threshold (the figures must equal step 1's). Then ``--entries`` filler entries
+   configured threshold (the figures must equal step 1's; the test-only set). Then ``--entries`` filler entries
    (embeddings of generated questions, written to Redis) in one scope, the service restarted (it
    rebuilds its index from Redis) and every labelled ``b`` looked up in that scope ``--rounds``
    times: latency p50/p99 seen by the client (HTTP over the socket included) and in the service.
@@ -259,6 +259,13 @@ def compare_indexes(sizes: list[int], queries: int = 300, seed: int = 0) -> list
     return out
 
 
+def _part(name: str) -> str:
+    """``tuned on``, ``test-only``, ``held out`` for a shipped set; ``a file`` for a TSV path."""
+    from .labelled import PARTS
+
+    return PARTS.get(name, "a file")
+
+
 def plot(results: list[dict], threshold: float, path: Path) -> None:
     import matplotlib
 
@@ -275,7 +282,7 @@ def plot(results: list[dict], threshold: float, path: Path) -> None:
                 label="false-hit rate without guards")
         ax.axvline(threshold, color="grey", ls="--", lw=1)
         ax.axhline(0.01, color="crimson", ls=":", lw=0.8)
-        ax.set_title(f"{q['set']} set ({q['pairs']} pairs{', test-only' if q['set'] == 'test' else ', tuned on'})")
+        ax.set_title(f"{q['set']} set ({q['pairs']} pairs, {_part(q['set'])})")
         ax.set_xlabel("similarity_min (cosine similarity)")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
@@ -288,11 +295,19 @@ def plot(results: list[dict], threshold: float, path: Path) -> None:
 
 
 def render(results: list[dict], threshold: float, service: dict | None, indexes: list[dict]) -> str:
-    lines = []
+    lines = [f"### At similarity_min {threshold:.2f}, set by set", "",
+             "| set | part | pairs | paraphrases | precision | recall | false-hit rate | without guards |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for q in results:
+        r, ng = q["at_threshold"], q["at_threshold_without_guards"]
+        lines.append(f"| {q['set']} | {_part(q['set'])} | {q['pairs']} | {q['positives']} | {r['precision']:.3f} | "
+                     f"{r['recall']:.3f} | {r['false_hit_rate']:.3f} ({r['fp']} of {r['fp'] + r['tn']}) | "
+                     f"{ng['false_hit_rate']:.3f} |")
+    lines.append("")
     for q in results:
         r, ng = q["at_threshold"], q["at_threshold_without_guards"]
         lines += [f"### {q['set']} set ({q['pairs']} pairs, {q['positives']} paraphrases"
-                  f"{'; test-only' if q['set'] == 'test' else '; tuned on'})", "",
+                  f"; {_part(q['set'])})", "",
                   f"At similarity_min {threshold:.2f}: precision {r['precision']:.3f}, recall {r['recall']:.3f}, "
                   f"false-hit rate {r['false_hit_rate']:.3f} ({r['fp']} of {r['fp'] + r['tn']}); without the guards "
                   f"the false-hit rate would be {ng['false_hit_rate']:.3f}.", "",
@@ -321,7 +336,8 @@ def render(results: list[dict], threshold: float, service: dict | None, indexes:
 @click.command("semantic")
 @click.option("--threshold", type=click.FloatRange(0.5, 1.0), default=None,
               help="similarity_min to score [default: the policy's default, 0.92].")
-@click.option("--sets", default="tune,test", show_default=True, help="Labelled sets (tune, test or TSV paths).")
+@click.option("--sets", default="tune,test,holdout", show_default=True,
+              help="Labelled sets (tune, test, holdout or TSV paths), each reported as its own row.")
 @click.option("--entries", type=click.IntRange(0), default=10_000, show_default=True,
               help="Entries in the index for the latency run (0: skip the service runs).")
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True, help="Lookup rounds over the set.")
@@ -349,7 +365,9 @@ def semantic_bench_command(threshold, sets, entries, rounds, index, index_sizes,
     results = [quality(embedder, s.strip(), threshold) for s in sets.split(",") if s.strip()]
     service = None
     if entries:
-        service = live(embedder, results[-1], threshold, entries, rounds, index, lambda m: click.echo(m, err=True))
+        # the service run on the test-only set (the acceptance figures), else the last set named
+        on = next((q for q in results if q["set"] == "test"), results[-1])
+        service = live(embedder, on, threshold, entries, rounds, index, lambda m: click.echo(m, err=True))
     sizes = [int(s) for s in index_sizes.split(",") if s.strip()]
     indexes = compare_indexes(sizes) if sizes else []
     plot(results, threshold, plot_path)

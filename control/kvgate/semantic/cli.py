@@ -30,8 +30,10 @@ def listen_of(policy, run_dir: Path | None) -> str:
 
 @click.command("semantic")
 @click.option("--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
-              help="The policy: Redis, semantic_service (listen, index, max_entries), the pools' static answers "
-                   "(reloaded when the policy or a static file changes).")
+              help="The policy: Redis, semantic_service (listen, index, max_entries), the pools' static answers. "
+                   "Static answers follow the policy version the control plane applied (in Redis, with the folder "
+                   "of the file applied) when there is one, else this file; reloaded when it or a static file "
+                   "changes.")
 @click.option("--listen", default=None, help="unix:/path.sock or 127.0.0.1:PORT [default: the policy's "
                                              "semantic_service.listen].")
 @click.option("--redis-url", default=None, help="Override the policy's redis.url.")

@@ -2,9 +2,11 @@
 that must hit (paraphrases) or must not (negations, antonyms, other numbers, dates,
 identifiers, entities, unrelated questions, the same follow-up in another conversation).
 
-Two files, written separately: ``labelled/tune.tsv`` (the thresholds and guards were tuned on
-it) and ``labelled/test.tsv`` (test-only: never looked at while tuning; the acceptance figures
-are this file's). Columns: ``kind expect a b context_a context_b`` (tab-separated; ``expect``
+Three files, written separately: ``labelled/tune.tsv`` (the thresholds and guards were tuned on
+it), ``labelled/test.tsv`` (test-only: never looked at while tuning; the acceptance figures
+are this file's) and ``labelled/holdout.tsv`` (held out: written later, on new topics and
+wordings, after the guards and the threshold were fixed; never to be used for tuning — a
+change made because of its figures would make it one more tuning set). Columns: ``kind expect a b context_a context_b`` (tab-separated; ``expect``
 ``hit`` or ``miss``; a context is the conversation before the question, empty for a single turn).
 """
 
@@ -15,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DIR = Path(__file__).parent / "labelled"
-SETS = {"tune": DIR / "tune.tsv", "test": DIR / "test.tsv"}
+SETS = {"tune": DIR / "tune.tsv", "test": DIR / "test.tsv", "holdout": DIR / "holdout.tsv"}
+PARTS = {"tune": "tuned on", "test": "test-only", "holdout": "held out"}
+"""What each shipped set is for (the bench labels its rows with it)."""
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,7 @@ class Pair:
 
 
 def load_pairs(name_or_path: str | Path) -> list[Pair]:
-    """The pairs of ``tune``, ``test`` or a TSV file; raises ValueError naming a bad row."""
+    """The pairs of ``tune``, ``test``, ``holdout`` or a TSV file; raises ValueError naming a bad row."""
     path = SETS.get(str(name_or_path), Path(name_or_path))
     out = []
     with open(path, newline="", encoding="utf-8") as f:

@@ -188,17 +188,25 @@ class SemanticCache:
         self._stop.set()
 
     # ------------------------------------------------------------ static answers
-    def load_policy(self, policy, policy_path: Path | str = ".") -> None:
+    def load_policy(self, policy, policy_path: Path | str = ".", base: Path | str | None = None) -> None:
         """Take the static answers files and thresholds of ``policy`` (a loaded Policy; relative
-        files are relative to ``policy_path``'s directory): a file that fails validation keeps
-        the previous version and its error is reported on /health."""
-        base = Path(policy_path).parent
+        files are relative to ``base``, default ``policy_path``'s directory): a file that fails
+        validation keeps the previous version and its error is reported on /health. A pool no
+        longer in the policy loses its static answers."""
+        base = Path(base) if base is not None else Path(policy_path).parent
+        names = {pool.name for pool in policy.pools}
+        with self.lock:
+            for gone in [p for p in self.static if p not in names]:
+                self.static.pop(gone, None)
+        for gone in [p for p in self.static_errors if p not in names]:
+            self.static_errors.pop(gone, None)
         for pool in policy.pools:
             self.thresholds[pool.name] = pool.semantic.similarity_min
             self.timeouts[pool.name] = pool.semantic.timeout_ms / 1000
             name = pool.semantic.static_answers
             if not name:
                 self.static.pop(pool.name, None)
+                self.static_errors.pop(pool.name, None)
                 continue
             path = (base / name) if not os.path.isabs(name) else Path(name)
             try:
@@ -423,8 +431,18 @@ def serve(cache: SemanticCache, listen: str, policy_path: Path | None = None, wo
     # insert announced between the rebuild above and the subscription is not missed
     threading.Thread(target=cache.follow, name="semantic-follow", daemon=True).start()
     if policy_path is not None:
-        cache.load_policy(_read_policy(policy_path), policy_path)  # before the first request
-        threading.Thread(target=_watch_policy, args=(cache, policy_path), name="semantic-policy", daemon=True).start()
+        try:  # before the first request
+            policy, base, origin = current_policy(cache, policy_path)
+        except Exception as exc:  # noqa: BLE001 - a version it cannot read: the file, and the watch retries
+            log.warning("semantic: the applied policy version: %s; reading %s", exc, policy_path)
+            policy, base, origin = _read_policy(policy_path), policy_path.parent, f"file {policy_path}"
+        cache.load_policy(policy, base=base)
+        if origin.startswith("file "):
+            st = policy_path.stat()
+            origin += f" {st.st_mtime_ns} {st.st_size}"
+        seen = (origin, str(base), _stamp(policy, base))
+        threading.Thread(target=_watch_policy, args=(cache, policy_path, seen), name="semantic-policy",
+                         daemon=True).start()
     app = make_app(cache, workers)
     try:
         asyncio.run(_serve(app, listen))
@@ -465,6 +483,10 @@ async def _serve(app: web.Application, listen: str) -> None:
             pass
 
 
+VERSIONS_KEY = "kvgate:control:versions"
+"""The control plane's applied policy versions (kvgate.control.store), newest last."""
+
+
 def _read_policy(policy_path: Path):
     """The policy without the loader's static-answers check: a bad FAQ file is reported per pool
     on /health (and the previous version kept), not a reason to stop following the policy."""
@@ -473,18 +495,55 @@ def _read_policy(policy_path: Path):
     return parse_policy_text(policy_path.read_text(encoding="utf-8"), str(policy_path))
 
 
-def _watch_policy(cache: SemanticCache, policy_path: Path) -> None:
-    seen: dict[str, float] = {}
-    while not cache._stop.is_set():
+def current_policy(cache: SemanticCache, policy_path: Path) -> tuple[object, Path, str]:
+    """The policy this service follows, the folder of its relative files, and what it was read
+    from: the control plane's latest applied version in Redis when there is one (what
+    ``kvgate apply`` / the admin page applied, with the folder of the file applied,
+    ``files_base``), else the ``--policy`` file (a service without a control plane)."""
+    from kvgate.policy.loader import parse_policy_text
+
+    try:
+        raw = cache.store.r.lindex(VERSIONS_KEY, -1)
+    except redis.RedisError as exc:
+        raise RuntimeError(f"reading the applied policy version: {exc}") from None
+    if raw:
+        v = json.loads(raw)
+        base = Path(v["files_base"]) if isinstance(v.get("files_base"), str) else policy_path.parent
+        return (parse_policy_text(v["yaml"], f"policy version {v.get('version')}"), base,
+                f"version {v.get('version')} {v.get('digest')}")
+    return _read_policy(policy_path), policy_path.parent, f"file {policy_path}"
+
+
+def _stamp(policy, base: Path) -> dict[str, tuple[int, int]]:
+    """(mtime_ns, size) of each static answers file (a changed file is reloaded)."""
+    out = {}
+    for p in policy.pools:
+        name = p.semantic.static_answers
+        if name:
+            f = Path(name) if os.path.isabs(name) else base / name
+            try:
+                st = f.stat()
+                out[str(f)] = (st.st_mtime_ns, st.st_size)
+            except OSError:
+                out[str(f)] = (0, -1)
+    return out
+
+
+def _watch_policy(cache: SemanticCache, policy_path: Path, seen: tuple | None = None) -> None:
+    """Every 2 s: reload the static answers when the policy in force changed (a new version
+    applied, or the ``--policy`` file when no control plane records versions) or one of its
+    files did. ``seen``: what :func:`serve` loaded first."""
+    while not cache._stop.wait(2.0):
         try:
-            policy = _read_policy(policy_path)
-            files = [str(policy_path)] + [
-                str((policy_path.parent / p.semantic.static_answers)) for p in policy.pools if p.semantic.static_answers]
-            stamp = {f: os.path.getmtime(f) for f in files if os.path.exists(f)}
+            policy, base, origin = current_policy(cache, policy_path)
+            if origin.startswith("file "):
+                st = policy_path.stat()
+                origin += f" {st.st_mtime_ns} {st.st_size}"
+            stamp = (origin, str(base), _stamp(policy, base))
             if stamp != seen:
-                cache.load_policy(policy, policy_path)
+                cache.load_policy(policy, base=base)
+                log.info("semantic: static answers reloaded (%s, files in %s)", origin, base)
                 seen = stamp
-        except Exception as exc:  # a policy being edited: keep what is loaded
+        except Exception as exc:  # a policy being edited, Redis away: keep what is loaded
             log.warning("semantic: policy %s: %s", policy_path, exc)
-        cache._stop.wait(2.0)
 

@@ -25,7 +25,10 @@ GET      /api/v1/policy                         the running policy (YAML text an
 POST     /api/v1/policy/validate                422 with field paths, or 200
 PUT      /api/v1/policy                         apply (422 bad policy, 500 nginx refused it, 409
                                                ``node_has_work``: it drops a node with work, unless
-                                               ``?force=true``)
+                                               ``?force=true``); header ``X-Kvgate-Policy-Dir``: the
+                                               absolute folder of the file applied, where relative
+                                               ``static_answers`` are read (default: the running
+                                               policy's)
 GET      /api/v1/policy/versions                applied versions, newest first
 POST     /api/v1/policy/versions/<n>/rollback   apply version n again (``?force=true`` as for PUT)
 GET      /api/v1/events                         newest first; ``?node=&kind=&limit=&before=``
@@ -61,6 +64,23 @@ bp = Blueprint("api", __name__, url_prefix="/api/v1")
 bp.before_request(require_token)
 
 root = Blueprint("root", __name__)
+
+
+def _policy_dir() -> str | None:
+    """``X-Kvgate-Policy-Dir``: the folder of the policy file applied (``kvgate apply FILE`` sends
+    FILE's), where its relative ``static_answers`` are read; None: the running policy's folder.
+
+    Raises:
+        ValueError: not an absolute path (→ 400).
+    """
+    import os
+
+    d = request.headers.get("X-Kvgate-Policy-Dir")
+    if d is None or d == "":
+        return None
+    if not os.path.isabs(d):
+        raise ValueError(f"X-Kvgate-Policy-Dir must be an absolute folder, not {d[:200]!r}")
+    return os.path.normpath(d)
 
 
 def _policy_text() -> str:
@@ -151,7 +171,8 @@ def pools():
 def policy_get():
     v = services().policy_version or {}
     return jsonify({"version": v.get("version"), "yaml": v.get("yaml"), "source": v.get("source"),
-                    "applied_at": v.get("applied_at"), "digest": v.get("digest")})
+                    "applied_at": v.get("applied_at"), "digest": v.get("digest"),
+                    "files_base": services().files_base})
 
 
 @bp.post("/policy/validate")
@@ -159,7 +180,7 @@ def policy_validate():
     from ..control.plane import ApplyError
 
     try:
-        p = services().validate(_policy_text())
+        p = services().validate(_policy_text(), _policy_dir())
     except ApplyError as exc:  # nothing was being applied: the policy is invalid (422), not a server fault
         reason = " ".join(ln.strip() for ln in str(exc).splitlines() if ln.strip())
         return json_error(422, f"invalid policy: {reason}", "invalid_request_error", "invalid_policy",
@@ -170,7 +191,7 @@ def policy_validate():
 @bp.put("/policy")
 def policy_apply():
     source = request.headers.get("X-Kvgate-Source", "API")[:100]
-    return jsonify(services().apply_policy(_policy_text(), source, force=_force()))
+    return jsonify(services().apply_policy(_policy_text(), source, force=_force(), files_base=_policy_dir()))
 
 
 @bp.get("/policy/versions")
