@@ -383,14 +383,15 @@ def data_config(policy: Policy, push_secret_sha256: str = "", batch_secret: str 
                  "default_tenant": DEFAULT_TENANT},
         "tenants": tenants,
         "tenant_ids": sorted(tenants),
-        # lua/kvgate/limits.lua; a concurrency slot of a request whose gateway died frees after
-        # slot_ttl_s
+        # lua/kvgate/limits.lua: a concurrency slot is a lease of slot_lease_s, renewed while its
+        # request runs (slot_ttl_s: how long a gateway keeps renewing one, at most)
         # the request log's usage record (lua/kvgate/usage.lua): block hashes kept per prompt
         "usage": {"log_blocks": policy.usage.log_blocks},
         "limits": {"on_redis_error": policy.limits.on_redis_error,
                    "fallback_factor": policy.limits.fallback_factor,
                    "default_max_tokens": policy.limits.default_max_tokens,
                    "session_burst_s": policy.limits.session_burst_s,
+                   "slot_lease_s": policy.limits.slot_lease_s,
                    "slot_ttl_s": max(600.0, 2 * gw.read_timeout_s)},
         "debug_headers": gw.debug_headers,
         "fallback_route_key": gw.fallback_route_key,

@@ -7,8 +7,11 @@
 -- it lived} whose TTL is the time it needs to be full again (≤ one window, so 0 < TTL ≤ 2
 -- windows always holds): a full bucket is an absent key. Nothing is keyed by a wall-clock
 -- minute, so 10:37 on one day never meets 10:37 on the next. Concurrency is a sorted set of
--- request ids scored by when their slot expires (a gateway that dies frees its slots after
--- cfg.limits.slot_ttl_s).
+-- request ids scored by when their slot's lease expires: cfg.limits.slot_lease_s (30 s) from
+-- the admission, renewed every third of it while the request runs (the kvgate_leases dict lists
+-- this gateway's slots; one worker a round renews them all in one pipeline, ZADD XX), so a
+-- gateway that dies, or a release lost to a Redis blip, frees its slots within one lease. A slot
+-- is renewed at most cfg.limits.slot_ttl_s (the dict entry's TTL: a request that never ends).
 --
 -- ADMIT checks every bucket of a request first and writes only when all admit (all or
 -- nothing), each write followed by its PEXPIRE in the same script: no key is left without a
@@ -48,6 +51,8 @@ local _M = {}
 
 _M.WINDOW_MS = 60000
 _M.FALLBACK_DICT = "kvgate_limits"
+_M.LEASE_DICT = "kvgate_leases"
+local RENEWER = "renewer" -- the dict's round lock (a slot key always holds a newline)
 
 -- KEYS: the buckets. ARGV[1]: now (ms); then per bucket 4 values: kind ("b" bucket | "c"
 -- concurrency), cap, window (ms; for "c" the slot's lifetime), cost (for "c" the request id).
@@ -343,11 +348,33 @@ end
 --- admit(cfg, buckets) -> true, left | false, {i, retry_ms, left} , how ("redis"|"local"|"deny")
 local enqueue -- (the settlements' queue, below)
 
+-- lease_key(bk) -> the kvgate_leases key of a concurrency bucket's slot: "<zset key>\n<member>"
+local function lease_key(bk)
+    return bk.key .. "\n" .. bk.cost
+end
+
+-- hold(buckets, ttl_s): this gateway's slots of an admitted request, to renew until it ends
+local function hold(buckets, ttl_s)
+    local d = ngx.shared[_M.LEASE_DICT]
+    if not d then
+        return
+    end
+    for i = 1, #buckets do
+        local bk = buckets[i]
+        if bk.kind == "c" then
+            d:set(lease_key(bk), true, ttl_s)
+        end
+    end
+end
+
 function _M.admit(cfg, buckets)
     local now_s = ngx.now()
     if not kredis.down() then
         local ok, detail = admit_batched(cfg.redis, buckets, floor(now_s * 1000))
         if ok ~= nil then
+            if ok then
+                hold(buckets, cfg.limits.slot_ttl_s or 600)
+            end
             return ok, detail, "redis"
         end
         kredis.trip()
@@ -458,9 +485,15 @@ function _M.settle(l, used_tokens, cfg_of)
         return
     end
     local now_ms = format("%d", floor(ngx.now() * 1000))
+    local leases = ngx.shared[_M.LEASE_DICT]
     for i = 1, #buckets do
         local bk = buckets[i]
         if bk.kind == "c" then
+            if leases then
+                -- no more renewals; should the ZREM be lost (a Redis blip, an exiting worker
+                -- that can no longer start timers) the lease ends the slot
+                leases:delete(lease_key(bk))
+            end
             enqueue({ zrem = bk.key, member = bk.cost }, cfg_of)
         elseif used_tokens and (bk.name == "tpm" or bk.name == "key_tpm") then
             local delta = bk.cost - used_tokens
@@ -468,6 +501,67 @@ function _M.settle(l, used_tokens, cfg_of)
                 enqueue({ key = bk.key, now = now_ms, cap = bk.cap, win = bk.win, delta = delta }, cfg_of)
             end
         end
+    end
+end
+
+-- --------------------------------------------------------------------------- leases
+_M.RENEW_TICK_S = 1
+
+--- renew(cfg): one round of lease renewals, by the first worker of the round (a dict lock
+-- of a third of the lease): every slot in kvgate_leases gets `now + slot_lease_s` (ZADD XX: a
+-- slot already released is not brought back) and its set the lease as TTL, in one pipeline.
+-- -> the slots renewed (0 when another worker has the round or Redis is down)
+function _M.renew(cfg)
+    local d = ngx.shared[_M.LEASE_DICT]
+    local lease_s = cfg.limits.slot_lease_s
+    if not d or not lease_s or kredis.down() then
+        return 0
+    end
+    if not d:add(RENEWER, true, lease_s / 3) then
+        return 0
+    end
+    local ks = d:get_keys(0)
+    local lease_ms = floor(lease_s * 1000)
+    local score = format("%d", floor(ngx.now() * 1000) + lease_ms)
+    local cmds, n, sets = {}, 0, {}
+    for i = 1, #ks do
+        local k = ks[i]
+        local nl = find(k, "\n", 1, true)
+        if nl then
+            local zkey = sub(k, 1, nl - 1)
+            n = n + 1
+            cmds[n] = { "zadd", zkey, "XX", score, sub(k, nl + 1) }
+            if not sets[zkey] then
+                sets[zkey] = true
+                n = n + 1
+                cmds[n] = { "pexpire", zkey, lease_ms }
+            end
+        end
+    end
+    if n == 0 then
+        return 0
+    end
+    local replies, err = kredis.pipeline(cfg.redis, cmds)
+    if not replies then
+        -- the next round (a third of the lease later) tries again; the slots keep a lease meanwhile
+        d:delete(RENEWER)
+        log.warn_every("limits-renew", 10, "kvgate limits: renewing ", n, " concurrency leases failed: ", err)
+        return 0
+    end
+    return #ks - 1
+end
+
+--- start(cfg_of): init_worker: the lease-renewal tick (every RENEW_TICK_S; one worker a round
+-- does the work)
+function _M.start(cfg_of)
+    local ok, err = ngx.timer.every(_M.RENEW_TICK_S, function(premature)
+        if premature then
+            return
+        end
+        _M.renew(cfg_of())
+    end)
+    if not ok then
+        ngx.log(ngx.ERR, "kvgate limits: cannot start the lease-renewal timer: ", err)
     end
 end
 

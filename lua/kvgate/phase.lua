@@ -96,6 +96,7 @@ function _M.init_worker()
     shutdown.start()
     tenant.init_worker(config.get) -- API keys' last use, to Redis every few seconds
     kredis.start_batches() -- one pipeline per batch of the requests' GETs and ADMITs
+    limits.start(config.get) -- concurrency slots' leases renewed while their requests run
 end
 
 --- access(): the access stages in order; any of them may answer the request itself

@@ -233,3 +233,62 @@ def test_a_stream_without_usage_is_byte_identical_and_still_settled(two) -> None
     while time.monotonic() < deadline and left(r, "kvgate:rl:tpm:tpm", 5000) < 4900:
         time.sleep(0.05)
     assert left(r, "kvgate:rl:tpm:tpm", 5000) >= 4900
+
+
+def _slots(r, tenant: str) -> dict[bytes, float]:
+    """The members of the tenant's concurrency set, with their lease's end (ms)."""
+    for key in r.scan_iter(f"kvgate:rl:{tenant}:*"):
+        if r.type(key) == b"zset":
+            return dict(r.zrange(key, 0, -1, withscores=True))
+    return {}
+
+
+def test_a_concurrency_slot_is_a_lease_renewed_while_its_request_runs(tmp_path: Path) -> None:
+    """limits.slot_lease_s 2: a 4 s request keeps its slot past the lease (renewed every third of
+    it; a second request is still refused), gives it back when it ends; a gateway killed with a
+    request in flight leaves a slot that frees within one lease, not after slot_ttl_s (600 s)."""
+    import os
+    import signal
+
+    with ExitStack() as stack:
+        redis = _start_redis(tmp_path)
+        stack.callback(redis.stop)
+        sims = _start_sims(1, tmp_path)
+        stack.callback(_stop_all, sims)
+        gw = _start_gateway(tmp_path, limited_policy(sims, redis, slot_lease_s=2), sims, redis)
+        stack.callback(gw.stop)
+        _, secret = ApiKeys(Store(redis.url)).create("conc1")
+        r = redis.client()
+        with cf.ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(post, gw, secret, "a long answer", max_tokens=400)  # ~4 s at 10 ms a token
+            time.sleep(0.5)
+            first = _slots(r, "conc1")
+            assert len(first) == 1, first
+            (member, end0), = first.items()
+            time.sleep(2.6)  # past the first lease's end
+            now = _slots(r, "conc1")
+            assert list(now) == [member] and now[member] > end0, (first, now)
+            refused = post(gw, secret, "meanwhile")
+            assert refused.status_code == 429 and "in flight" in refused.json()["error"]["message"]
+            assert slow.result().status_code == 200
+        deadline = time.monotonic() + 3
+        while _slots(r, "conc1") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _slots(r, "conc1"), "released when the request ended"
+
+        # a gateway that dies mid-request: nobody renews or releases its slot
+        with cf.ThreadPoolExecutor(1) as pool:
+            doomed = pool.submit(post, gw, secret, "cut short", max_tokens=400)
+            time.sleep(0.5)
+            assert len(_slots(r, "conc1")) == 1
+            master = gw.nginx.pid()
+            workers = [int(p) for p in os.popen(f"pgrep -P {master}").read().split()]
+            for pid in [master, *workers]:
+                os.kill(pid, signal.SIGKILL)
+            with pytest.raises(requests.exceptions.ConnectionError):
+                doomed.result()
+        t0 = time.monotonic()
+        while _slots(r, "conc1") and time.monotonic() - t0 < 5:
+            time.sleep(0.1)
+        assert not _slots(r, "conc1"), "the dead gateway's slot outlived its lease"
+        assert time.monotonic() - t0 <= 2.5

@@ -750,6 +750,11 @@ class LimitsConfig(_Strict):
         2.0, gt=0, le=60, description="A session's bucket holds this many seconds of its `session_rpm` (at least "
         "one request): a hot conversation is held to its rate within seconds, not after a minute's burst.",
     )
+    slot_lease_s: float = Field(
+        30.0, ge=2, le=3600, description="A concurrency slot is a lease of this many seconds that its gateway "
+        "renews every third of it while the request runs: the slots of a gateway that died (or lost its "
+        "releases to a Redis blip) free within this time.",
+    )
 
 
 class TenantConfig(_Strict):

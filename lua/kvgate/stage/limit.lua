@@ -79,7 +79,8 @@ function _M.access(kctx, cfg)
         n = 1
     end
     local tokens = load.estimate(#r.body) + floor(mt) * floor(n)
-    local buckets = limits.plan(id, lim, kt, kctx.route, tokens, floor(cfg.limits.slot_ttl_s * 1000),
+    local buckets = limits.plan(id, lim, kt, kctx.route, tokens,
+        floor((cfg.limits.slot_lease_s or cfg.limits.slot_ttl_s) * 1000),
         var.request_id, cfg.limits.session_burst_s)
     for i = 1, #buckets do
         local bk = buckets[i]
