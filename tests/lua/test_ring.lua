@@ -131,4 +131,39 @@ H.test("bad node lists are errors, not exceptions", function()
     H.truthy(err)
 end)
 
+H.test("points are sorted, equal hashes dropped, and the bucket index is each bucket's first point", function()
+    -- the construction's arrays checked naively (kvgate bench render's faster build, issue 17)
+    math.randomseed(17)
+    for trial = 1, 12 do
+        local nodes = {}
+        for i = 1, math.random(1, 12) do
+            nodes[i] = { id = "n-" .. trial .. "-" .. i, weight = math.random(1, trial == 12 and 400 or 30) }
+        end
+        local r = assert(ring.new(nodes))
+        local want = {}
+        for _, node in ipairs(nodes) do
+            for _, p in ipairs(ring.points(node.id, node.weight)) do
+                want[p] = true
+            end
+        end
+        local distinct = 0
+        for _ in pairs(want) do
+            distinct = distinct + 1
+        end
+        H.eq(r.n, distinct, "one point per distinct hash")
+        for i = 1, r.n - 1 do
+            H.truthy(r.hashes[i - 1] < r.hashes[i], "sorted, no equal hashes")
+        end
+        local buckets = 2 ^ (32 - r.shift)
+        local i = 0
+        for b = 0, buckets - 1 do
+            while i < r.n and r.hashes[i] < b * 2 ^ r.shift do
+                i = i + 1
+            end
+            H.eq(r.first[b], i, "bucket " .. b)
+        end
+        H.eq(r.first[buckets], r.n, "past the last bucket")
+    end
+end)
+
 H.done()

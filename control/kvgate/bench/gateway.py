@@ -576,6 +576,7 @@ from .costs import costs_command  # noqa: E402  (kvgate bench costs: the bill's 
 from .batch import batch_command  # noqa: E402  (kvgate bench batch: the prefix-grouped Batch API against file order)
 from .bill import bill_command  # noqa: E402  (kvgate bench bill: the mixed workload, baseline against kvgate)
 from .scaleout import scaleout_command  # noqa: E402  (kvgate bench scaleout: hit ratio on 1, 2, 4 engines)
+from .render import render_command  # noqa: E402  (kvgate bench render: apply steps and reconcile CPU at 1,000 nodes)
 from kvgate.semantic.bench import semantic_bench_command  # noqa: E402  (kvgate bench semantic: labelled set, latency)
 
 bench_command.add_command(gateway_command)
@@ -585,5 +586,6 @@ bench_command.add_command(costs_command)
 bench_command.add_command(batch_command)
 bench_command.add_command(bill_command)
 bench_command.add_command(scaleout_command)
+bench_command.add_command(render_command)
 
 bench_command.add_command(semantic_bench_command)

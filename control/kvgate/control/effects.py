@@ -13,6 +13,7 @@ from ..fleet.events import EventKind
 from .store import StoreError
 
 if TYPE_CHECKING:
+    from ..fleet.records import NodeRecord
     from .plane import ControlPlane
 
 log = logging.getLogger("kvgate.control")
@@ -25,7 +26,24 @@ def apply_changes(plane: ControlPlane, changes: list[Change]) -> None:
     :class:`~kvgate.fleet.states.InvalidTransition`), then stored, counted
     (``kvgate_control_node_transitions_total``) and recorded as a ``state`` event. Store errors
     are logged, never raised: memory stays authoritative and the next change writes again."""
+    # stored Saves are written together (one round trip: a probe round saves every node), in
+    # order before anything else that writes to the store or reads it back
+    pending: dict[str, NodeRecord] = {}
+
+    def flush() -> None:
+        if pending:
+            plane.put_records(list(pending.values()))
+            pending.clear()
+
     for c in changes:
+        if isinstance(c, Save):
+            plane.nodes[c.record.id] = c.record
+            if c.stored:
+                pending.pop(c.record.id, None)  # the latest record of a node is the one written
+                pending[c.record.id] = c.record
+            continue
+        if not isinstance(c, (Checked, ResetPassive, Inflight)):
+            flush()
         if isinstance(c, Transition):
             rec = c.record
             st.check(rec.id, c.from_state, rec.state, c.action)
@@ -34,10 +52,6 @@ def apply_changes(plane: ControlPlane, changes: list[Change]) -> None:
             plane.put_record(rec)
             plane.event(EventKind.STATE, f"{rec.id}: {c.from_state} → {rec.state} ({rec.reason})", node=rec.id,
                         pool=rec.pool, from_state=c.from_state, to_state=rec.state, reason=rec.reason)
-        elif isinstance(c, Save):
-            plane.nodes[c.record.id] = c.record
-            if c.stored:
-                plane.put_record(c.record)
         elif isinstance(c, Event):
             plane.event(c.kind, c.message, c.node, c.pool, **c.data)
         elif isinstance(c, SavePool):
@@ -58,3 +72,4 @@ def apply_changes(plane: ControlPlane, changes: list[Change]) -> None:
             plane.warmups.launch(c.node, c.reason)
         elif isinstance(c, Inflight):
             plane.metrics.inflight.labels(c.node).set(c.value)
+    flush()

@@ -27,7 +27,6 @@ local byte = string.byte
 local sort = table.sort
 local type = type
 local floor = math.floor
-local ffi_fill = ffi.fill
 
 local _M = {}
 
@@ -51,6 +50,20 @@ for n = 0, 255 do
         end
     end
     T[n] = c
+end
+-- slicing-by-4 tables for fill()'s inner loop, FFI arrays (the point loop runs 160 × weight
+-- times a node, 16,000 at weight=100): T1[i] is T[i] followed by one zero byte, T2 by two, T3
+-- by three, so the CRC of the 4 bytes of prev onto c is T3[x & 255] ^ T2[x >> 8 & 255] ^
+-- T1[x >> 16 & 255] ^ T[x >> 24] with x = c ^ prev: four independent lookups, not a chain of four
+local T0, T1, T2, T3 = ffi.new("int32_t[256]"), ffi.new("int32_t[256]"), ffi.new("int32_t[256]"),
+    ffi.new("int32_t[256]")
+for n = 0, 255 do
+    T0[n] = T[n]
+end
+for n = 0, 255 do
+    T1[n] = bxor(rshift(T0[n], 8), T0[band(T0[n], 0xFF)])
+    T2[n] = bxor(rshift(T1[n], 8), T0[band(T1[n], 0xFF)])
+    T3[n] = bxor(rshift(T2[n], 8), T0[band(T2[n], 0xFF)])
 end
 
 local function update(crc, s)
@@ -79,12 +92,9 @@ local function fill(hashes, owners, at, id, weight, owner)
     local base = update(0xFFFFFFFF, id .. "\0")
     local prev = 0
     for _ = 1, _M.POINTS_PER_WEIGHT * weight do
-        local c = base
-        c = bxor(T[band(bxor(c, prev), 0xFF)], rshift(c, 8))
-        c = bxor(T[band(bxor(c, rshift(prev, 8)), 0xFF)], rshift(c, 8))
-        c = bxor(T[band(bxor(c, rshift(prev, 16)), 0xFF)], rshift(c, 8))
-        c = bxor(T[band(bxor(c, rshift(prev, 24)), 0xFF)], rshift(c, 8))
-        prev = bxor(c, 0xFFFFFFFF)
+        local x = bxor(base, prev)
+        prev = bxor(T3[band(x, 0xFF)], T2[band(rshift(x, 8), 0xFF)], T1[band(rshift(x, 16), 0xFF)],
+                    T0[rshift(x, 24)], 0xFFFFFFFF)
         hashes[at] = unsigned(prev)
         owners[at] = owner
         at = at + 1
@@ -104,26 +114,31 @@ function _M.points(id, weight)
     return out
 end
 
--- LSD radix sort of n (hash, owner) pairs by hash, 11 + 11 + 10 bits; stable, so of
--- equal hashes the one written first stays first. Returns the sorted arrays.
+-- LSD radix sort of n (hash, owner) pairs by hash, 16 + 16 bits; stable, so of equal hashes
+-- the one written first stays first. Both digits' counts come from one pass (a digit's count
+-- does not depend on the order). Returns the sorted arrays.
 local function radix_sort(h, o, n)
     local h2, o2 = U32(n), U16(n)
-    local count = I32(2048)
-    for shift = 0, 22, 11 do
-        ffi_fill(count, 2048 * 4)
-        for i = 0, n - 1 do
-            local d = band(rshift(h[i], shift), 0x7FF)
-            count[d] = count[d] + 1
-        end
+    local lo, hi = I32(65536), I32(65536)
+    for i = 0, n - 1 do
+        local v = h[i]
+        local d = band(v, 0xFFFF)
+        lo[d] = lo[d] + 1
+        d = rshift(v, 16)
+        hi[d] = hi[d] + 1
+    end
+    for pass = 1, 2 do
+        local count = pass == 1 and lo or hi
+        local shift = pass == 1 and 0 or 16
         local sum = 0
-        for d = 0, 2047 do
+        for d = 0, 65535 do
             local c = count[d]
             count[d] = sum
             sum = sum + c
         end
         for i = 0, n - 1 do
             local v = h[i]
-            local d = band(rshift(v, shift), 0x7FF)
+            local d = band(rshift(v, shift), 0xFFFF)
             local at = count[d]
             count[d] = at + 1
             h2[at] = v
@@ -133,6 +148,15 @@ local function radix_sort(h, o, n)
         o, o2 = o2, o
     end
     return h, o
+end
+
+-- bucket bits for n points: about one point a bucket, 2^8 to 2^22 buckets
+local function bucket_bits(n)
+    local bits = 8
+    while bits < 22 and (2 ^ bits) < n do
+        bits = bits + 1
+    end
+    return bits
 end
 
 local function by_id(a, b)
@@ -176,6 +200,15 @@ function _M.new(nodes)
         at = fill(hashes, owners, at, sorted[k].id, sorted[k].weight, k)
     end
     hashes, owners = radix_sort(hashes, owners, total)
+    -- bucket index: first[b] = the first point with hash >= b << shift, about one point a
+    -- bucket, so a lookup reads first[] and steps over a point or two instead of a binary
+    -- search's ~17 probes (the balancer runs once per request, mostly interpreted).
+    -- first[b] = the number of points in buckets below b: each kept point is counted into
+    -- first[its bucket + 1] (in the same pass that drops equal hashes), then summed up.
+    local bits = bucket_bits(total)
+    local shift = 32 - bits
+    local buckets = 2 ^ bits
+    local first = U32(buckets + 1)
     -- keep the first point of each run of equal hashes (the lowest id: written first)
     local n = 0
     local last = -1
@@ -186,27 +219,26 @@ function _M.new(nodes)
             owners[n] = owners[i]
             n = n + 1
             last = v
+            local d = rshift(v, shift) + 1
+            first[d] = first[d] + 1
         end
     end
-    -- bucket index: first[b] = the first point with hash >= b << shift, about one point a
-    -- bucket, so a lookup reads first[] and steps over a point or two instead of a binary
-    -- search's ~17 probes (the balancer runs once per request, mostly interpreted)
-    local bits = 8
-    while bits < 22 and (2 ^ bits) < n do
-        bits = bits + 1
-    end
-    local shift = 32 - bits
-    local buckets = 2 ^ bits
-    local first = U32(buckets + 1)
-    local i = 0
-    for b = 0, buckets - 1 do
-        local start = b * 2 ^ shift
-        while i < n and hashes[i] < start do
-            i = i + 1
+    if bucket_bits(n) ~= bits then
+        -- dropped points changed the bucket count (n just past a power of two): count again
+        bits = bucket_bits(n)
+        shift = 32 - bits
+        buckets = 2 ^ bits
+        first = U32(buckets + 1)
+        for i = 0, n - 1 do
+            local d = rshift(hashes[i], shift) + 1
+            first[d] = first[d] + 1
         end
-        first[b] = i
     end
-    first[buckets] = n
+    local run = 0
+    for b = 1, buckets do
+        run = run + first[b]
+        first[b] = run
+    end
     return { n = n, hashes = hashes, owners = owners, nodes = sorted, count = #sorted, first = first, shift = shift }
 end
 
