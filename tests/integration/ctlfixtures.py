@@ -149,6 +149,20 @@ class Fleet:
         return r.headers["X-Kvgate-Node"]
 
 
+MIX_TENANTS = """
+tenants:
+  - {id: default}
+  - {id: chat-a}
+  - {id: chat-b}
+  - {id: assistant}
+  - {id: support}
+  - {id: jobs, priority: batch}
+batch: {max_in_flight: 8, max_in_flight_per_node: 4, poll_interval_s: 0.2, retry_backoff_s: 0.2, lease_s: 2}
+"""
+"""The bill's mixed workload's tenants (control/kvgate/bench/mix.yaml) and a quick Batch API worker,
+for a fleet's ``extra`` (tests/integration/test_bench_mix.py, test_bench_bill.py)."""
+
+
 def default_template(fleet: Fleet, *, nodes: list[str] | None = None, weights: dict[str, int] | None = None,
                      extra: str = "", pool_extra: str = "", sim: str = "time_scale: 0.05",
                      balancer: str = "chash", gateway_extra: str = "", drain_timeout_s: float = 120) -> str:

@@ -6,30 +6,20 @@ import json
 import pytest
 import yaml
 
-from ctlfixtures import control_fleet  # noqa: F401 - fixture
+from ctlfixtures import MIX_TENANTS, control_fleet  # noqa: F401 - fixture
 from kvgate.bench.bill import LEVERS, PARTS
 
 pytestmark = pytest.mark.integration
 
 PRICES = """    prices: {input_usd_per_1m_tokens: 0.20, cached_input_usd_per_1m_tokens: 0.02,
              output_usd_per_1m_tokens: 0.60, batch_discount: 0.5}"""
-TENANTS = """
-tenants:
-  - {id: default}
-  - {id: chat-a}
-  - {id: chat-b}
-  - {id: assistant}
-  - {id: support}
-  - {id: jobs, priority: batch}
-batch: {max_in_flight: 8, max_in_flight_per_node: 4, poll_interval_s: 0.2, retry_backoff_s: 0.2, lease_s: 2}
-"""
 RUN_KEYS = {"cost_usd", "engine_prefill_tokens", "engine_output_tokens", "requests_failed", "multi_turn_ttft_p50_s",
             "cost_per_ok_usd", "engine_busy_s", "live_ttft_p50_s", "live_ttft_p99_s", "answered_without_engine",
             "rollups"}
 
 
 def test_bill_on_a_real_stack(control_fleet, tmp_path):  # noqa: F811
-    fleet = control_fleet(n=2, balancer="chash_bounded", pool_extra=PRICES, extra=TENANTS,
+    fleet = control_fleet(n=2, balancer="chash_bounded", pool_extra=PRICES, extra=MIX_TENANTS,
                           gateway_extra=", auth: required", sim="time_scale: 0.05, stream_interval: 4")
     before = fleet.api("GET", "/api/v1/policy").json()["yaml"]
     out, chart = tmp_path / "report.json", tmp_path / "bill.png"

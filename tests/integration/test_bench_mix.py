@@ -12,23 +12,13 @@ import itertools
 import pytest
 import yaml
 
-from ctlfixtures import MODEL, control_fleet_module  # noqa: F401 - fixture
+from ctlfixtures import MIX_TENANTS, MODEL, control_fleet_module  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.integration
 multiturn = pytest.importorskip("kvgate.bench.multiturn", reason="part S's multi-turn workload has not landed")
 
 from kvgate.bench import mix as mixmod  # noqa: E402
 
-TENANTS = """
-tenants:
-  - {id: default}
-  - {id: chat-a}
-  - {id: chat-b}
-  - {id: assistant}
-  - {id: support}
-  - {id: jobs, priority: batch}
-batch: {max_in_flight: 8, max_in_flight_per_node: 4, poll_interval_s: 0.2, retry_backoff_s: 0.2, lease_s: 2}
-"""
 
 
 def _fingerprint(m: mixmod.Mix) -> tuple:
@@ -105,7 +95,7 @@ def test_faq_set_passes_the_guards_where_it_should():
 
 @pytest.fixture(scope="module")
 def stack(control_fleet_module):  # noqa: F811
-    fleet = control_fleet_module(n=2, gateway_extra=", auth: optional", extra=TENANTS)
+    fleet = control_fleet_module(n=2, gateway_extra=", auth: optional", extra=MIX_TENANTS)
     fleet.keys = {}
     for t in ("chat-a", "chat-b", "assistant", "support", "jobs"):
         r = fleet.api("POST", "/api/v1/keys", json={"tenant": t, "name": "mix"})
