@@ -31,6 +31,8 @@ import redis
 from .. import keys
 
 PREFIX = "kvgate:control:"
+VERSIONS_KEY = PREFIX + "versions"
+"""The applied policy versions (JSON, newest last); the semantic service follows the newest."""
 
 log = logging.getLogger("kvgate.control")
 
@@ -259,16 +261,16 @@ class Store:
         version = {"version": seq, "yaml": yaml_text, "digest": digest, "source": source, "applied_at": time.time(),
                    "files_base": files_base}
         pipe = self.r.pipeline()
-        pipe.rpush(PREFIX + "versions", json.dumps(version))
-        pipe.ltrim(PREFIX + "versions", -keep, -1)
+        pipe.rpush(VERSIONS_KEY, json.dumps(version))
+        pipe.ltrim(VERSIONS_KEY, -keep, -1)
         self._call("write version", pipe.execute)
         return version
 
     def versions(self) -> list[dict[str, Any]]:
         """Applied versions, newest first."""
-        values = self._call("read versions", self.r.lrange, PREFIX + "versions", 0, -1)
+        values = self._call("read versions", self.r.lrange, VERSIONS_KEY, 0, -1)
         return [json.loads(v) for v in reversed(values)]
 
     def latest_version(self) -> dict[str, Any] | None:
-        value = self._call("read version", self.r.lindex, PREFIX + "versions", -1)
+        value = self._call("read version", self.r.lindex, VERSIONS_KEY, -1)
         return json.loads(value) if value else None
