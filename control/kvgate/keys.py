@@ -23,6 +23,11 @@ NODE_LOAD_PREFIX = "kvgate:load:"
 """Engines' last reported load: a hash per pool ``kvgate:load:<pool>``, field = node id, value =
 :data:`NODE_LOAD_FIELDS` space-separated (``-`` = unknown). Written by the control plane at each
 agent report, read by the gateway's timer every second (``lua/kvgate/node_load.lua``)."""
+GWLOAD_PREFIX = "kvgate:gwload:"
+"""In-flight prefill per gateway: a hash ``kvgate:gwload:<gateway id>``, field ``<pool>\t<node>``
+(or ``<pool>\t``, the pool's total), value = estimated prompt tokens in flight. Replaced every
+``gateway.load_sync_s`` (50 ms) by each gateway's worker 0 (TTL 4 rounds) when the policy has several gateway members; every
+gateway adds the other members' sums to its own for the load bound (``lua/kvgate/gwload.lua``)."""
 APIKEY_PREFIX = "kvgate:apikey:"
 """API keys: a hash per key ``kvgate:apikey:<sha256 hex of the secret>`` with ``id``, ``tenant``,
 ``name``, ``created`` (unix s), ``revoked`` (``0``/``1``) and ``last_used`` (unix s, set by the
@@ -78,6 +83,8 @@ METRICS: dict[str, str] = {
     "bad_requests": "kvgate_bad_requests_total",
     "upstream_inflight": "kvgate_upstream_inflight",
     "upstream_load": "kvgate_upstream_load_tokens",
+    "upstream_load_remote": "kvgate_upstream_load_tokens_remote",
+    "redis_master_changes": "kvgate_redis_master_changes_total",
     "route_spill": "kvgate_route_spill_total",
     "upstream_failover": "kvgate_upstream_failover_total",
     "upstream_breaker": "kvgate_upstream_breaker_state",
@@ -108,6 +115,7 @@ UPSTREAM_INFLIGHT = METRICS["upstream_inflight"]
 FAILOVERS = METRICS["failovers"]
 ROUTE_SPILL = METRICS["route_spill"]
 UPSTREAM_LOAD = METRICS["upstream_load"]
+UPSTREAM_LOAD_REMOTE = METRICS["upstream_load_remote"]
 UPSTREAM_FAILOVER = METRICS["upstream_failover"]
 UPSTREAM_BREAKER = METRICS["upstream_breaker"]
 """0 closed, 1 open, 2 half-open (kvgate.breaker)."""

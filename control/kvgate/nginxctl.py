@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import time
@@ -106,6 +107,8 @@ class Nginx:
         self._nginx_bin = nginx_bin
         self.lua_dir = Path(lua_dir).resolve() if lua_dir else default_lua_dir()
         self.listen: str | None = None
+        self.client_tls = False
+        """Whether ``listen`` serves HTTPS (``gateway.tls``): the health digest is read over TLS then."""
         self.digest: str | None = None
         self.internal_listen: str | None = None
 
@@ -216,15 +219,17 @@ class Nginx:
         digest = json.loads(files[DATA])["digest"]
         if running and installed.get(CONF) == files[CONF] and _digest_of(installed.get(DATA)) == digest:
             self.listen, self.digest = policy.gateway.listen, digest
+            self.client_tls = policy.gateway.tls is not None
             self.internal_listen = policy.gateway.internal_listen
             if installed.get(DATA) != files[DATA]:
                 # only the runtime's defaults differ: read at the next load, after runtime.json
                 self._install({DATA: files[DATA]})
             return self._push(doc, doc_text)
         self.test(files)
-        previous = (self.listen, self.digest, self.internal_listen)
+        previous = (self.listen, self.digest, self.internal_listen, self.client_tls)
         # reload()/start() wait for this config's digest on its address
         self.listen, self.digest = policy.gateway.listen, digest
+        self.client_tls = policy.gateway.tls is not None
         self.internal_listen = policy.gateway.internal_listen
         old_runtime = self._read(RUNTIME)
         if running:
@@ -239,7 +244,7 @@ class Nginx:
                 self._confirm(doc, doc_text)
             except NginxError:
                 self._rollback(installed, old_runtime)
-                self.listen, self.digest, self.internal_listen = previous
+                self.listen, self.digest, self.internal_listen, self.client_tls = previous
                 raise
             return "reloaded"
         if not start:
@@ -406,18 +411,30 @@ class Nginx:
         self._clean_pid()
         return None
 
-    def _health_digest(self, listen: str) -> str | None:
+    def _health_digest(self, listen: str, tls: bool | None = None) -> str | None:
+        """The digest ``GET /kvgate/health`` on ``listen`` reports (None: no answer); over HTTPS
+        when ``tls`` (None: :attr:`client_tls`)."""
+        tls = self.client_tls if tls is None else tls
+        # our own gateway on an address we just configured: this reads which config it runs, no
+        # trust is given to the answer, so the certificate is not verified (a self-signed one, or
+        # one for a name that is not this address, must not stop a reload's confirmation)
+        ctx = None
+        if tls:
+            ctx = ssl.create_default_context()
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
         try:
-            with urllib.request.urlopen(f"http://{listen}/kvgate/health", timeout=1) as resp:
+            with urllib.request.urlopen(f"{'https' if tls else 'http'}://{listen}/kvgate/health", timeout=1,
+                                        context=ctx) as resp:
                 return json.loads(resp.read()).get("digest")
         except (OSError, ValueError):
             return None
 
-    def wait_ready(self, listen: str, timeout: float = 10) -> None:
-        """Wait until ``GET http://<listen>/kvgate/health`` answers 200; raises :class:`NginxError`."""
+    def wait_ready(self, listen: str, timeout: float = 10, tls: bool | None = None) -> None:
+        """Wait until ``GET http(s)://<listen>/kvgate/health`` answers 200 (``tls``: over HTTPS;
+        None: as the last applied policy says); raises :class:`NginxError`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._health_digest(listen) is not None:
+            if self._health_digest(listen, tls) is not None:
                 return
             if self.pid() is None and time.monotonic() > deadline - timeout + 1:
                 break

@@ -53,6 +53,7 @@ from .addr import connect_address
 from .fleet.weights import WEIGHT_SCALE  # noqa: F401 - the weight arithmetic's one home; re-exported
 from .policy.model import DEFAULT_TENANT, Policy
 from .policy.pricing import PricesConfig
+from .policy.tls import nginx_tls
 
 TENANT = "default"
 """Tenant of every request until authentication names one (part of every cache key)."""
@@ -258,6 +259,24 @@ def redis_host(policy: Policy) -> str:
     return ips[0]
 
 
+def sentinel_peers(policy: Policy) -> list[dict[str, Any]]:
+    """``policy.redis.sentinels`` as the data path connects to them: ``[{"host": IP, "port": N}]``,
+    each host resolved as :func:`redis_host` does (cosockets resolve no names).
+
+    Raises:
+        ValueError: a sentinel's host does not resolve (the message names ``redis.sentinels[i]``).
+    """
+    out = []
+    for i, item in enumerate(policy.redis.sentinels):
+        host, _, port = item.rpartition(":")
+        host = host.strip("[]")
+        ips = _resolve(host, int(port))
+        if not ips:
+            raise ValueError(f"redis.sentinels[{i}] {item!r}: cannot resolve host {host!r} to an IP address")
+        out.append({"host": ips[0], "port": int(port)})
+    return out
+
+
 def _prices(prices: PricesConfig) -> dict[str, Any]:
     """A pool's ``prices`` in ``kvgate.json``: ``{input, cached, output}`` in whole nano-dollars per
     token (:meth:`PricesConfig.nano_usd_per_token`) and ``batch_discount`` (0..1, the share a batch
@@ -374,7 +393,12 @@ def data_config(policy: Policy, push_secret_sha256: str = "", batch_secret: str 
         if t.models is not None:
             entry["models"] = {m: True for m in t.models}  # absent: every model
         tenants[t.id] = entry
+    member = policy.member_of_listen(gw.listen)
     return {
+        # which member of the gateway tier this is (docs/scale-out.md): with more than one member
+        # the data path sums in-flight load across them through Redis
+        "gateway": {"id": member.id, "members": sorted(m.id for m in policy.gateway_members()),
+                    "load_sync_s": gw.load_sync_s},
         # the cache scope of every request when gateway.auth is off (one anonymous tenant)
         "tenant": TENANT,
         # API keys (lua/kvgate/tenant.lua): the mode, how long a worker trusts a key's lookup,
@@ -426,11 +450,16 @@ def data_config(policy: Policy, push_secret_sha256: str = "", batch_secret: str 
         # the Batch API's line principal (lua/kvgate/batch_principal.lua): HMAC key, "" = refused
         "batch_secret": batch_secret,
         "redis": {
-            "host": redis_host(policy),
+            # with sentinels the data path connects to the master they name (host/port unused)
+            "host": redis_host(policy) if not policy.redis.sentinels else policy.redis.host,
             "port": policy.redis.port,
             "db": policy.redis.db,
             "timeout_ms": policy.redis.timeout_ms,
             "pool_size": policy.redis.pool_size,
+            # only with redis.sentinels (lua/kvgate/redis.lua, docs/sentinel.md): absent keys keep a
+            # plain Redis's config as it was
+            **({"sentinels": sentinel_peers(policy), "master_name": policy.redis.master_name,
+                "sentinel_timeout_ms": policy.redis.sentinel_timeout_ms} if policy.redis.sentinels else {}),
         },
     }
 
@@ -539,7 +568,8 @@ def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None, *,
         the nginx prefix.
 
     Raises:
-        ValueError: ``redis.url`` names a host that does not resolve.
+        ValueError: ``redis.url`` names a host that does not resolve, or a ``gateway.tls`` file
+            cannot be read (its content digest is rendered: :func:`kvgate.policy.tls.nginx_tls`).
     """
     del runtime
     lua_dir = Path(lua_dir).resolve()
@@ -547,12 +577,14 @@ def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None, *,
     conf = _env().get_template("nginx.conf.j2").render(
         gw=gw,
         control_addr=connect_address(policy.control.listen),
+        control_scheme="https" if policy.control.tls else "http",  # /v1/files, /v1/batches (docs/tls.md)
         files_max_body_bytes=policy.batch.max_file_bytes + MULTIPART_SLACK_BYTES,
         public_metrics=policy.public_metrics,
         pools=upstream_pools(policy),
         lua_dir=str(lua_dir),
         connect_timeout=_seconds(gw.connect_timeout_s),
         read_timeout=_seconds(gw.read_timeout_s),
+        tls=nginx_tls(gw.tls),  # docs/tls.md: the files' digest is in the config, a renewal reloads
     )
     data = data_config(policy, push_secret_sha256, batch_secret, run_dir)
     # The Lua modules are loaded once per (re)load, so a changed module must count as a

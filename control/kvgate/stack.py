@@ -24,14 +24,16 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import psutil
 import requests
+import urllib3
 
-from .addr import http_url, split_host_port
+from .addr import split_host_port
 from .nginxctl import Nginx, find_binary
 from .render import render
 from .policy import NodeConfig, Policy, PolicyError, load_policy
@@ -185,6 +187,9 @@ class Stack:
         if name == "redis":
             # redis-server rewrites its title; its working directory (--dir) is ours alone
             return "redis-server" in proc.name() and Path(proc.cwd()) == self.dir.redis_dir
+        if name == "redis-replica" or name.startswith("sentinel-"):
+            # the local Sentinel set (start_redis): each runs in a folder of its own under redis/
+            return "redis-" in proc.name() and Path(proc.cwd()) == self.dir.redis_dir / name
         if name.startswith("sim-"):
             return proc.cmdline()[1:6] == ["-m", "kvgate", "sim", "--node-id", name[4:]]
         if name == "control":
@@ -194,6 +199,8 @@ class Stack:
             return cmd[1:6] == ["-m", "kvgate", "agent", "--node-id", name[6:]] and str(self.token_file) in cmd
         if name in ("batch-worker", "semantic"):
             return proc.cmdline()[1:6] == ["-m", "kvgate", "--run-dir", str(self.run_dir), name]
+        if name.startswith("gateway-"):
+            return proc.cmdline()[1:8] == ["-m", "kvgate", "--run-dir", str(self.run_dir), "gateway", "--id", name[8:]]
         return False
 
     def _live_pid(self, name: str) -> int | None:
@@ -231,9 +238,18 @@ class Stack:
         host, port = policy.redis.host, policy.redis.port
         pid = self._live_pid("redis")
         if not policy.redis.managed:
+            self._stop_sentinel_set(keep=[])
             if pid:
                 self._stop_pid("redis")
             return "external"
+        if policy.redis.sentinels:
+            # the replica and the sentinels are started (or kept) after the master, below
+            result = self._start_master(policy, host, port, pid)
+            return self._start_sentinel_set(policy, result)
+        self._stop_sentinel_set(keep=[])
+        return self._start_master(policy, host, port, pid)
+
+    def _start_master(self, policy: Policy, host: str, port: int, pid: int | None) -> str:
         restarted = False
         if pid:
             if f"{host}:{port}" in " ".join(self._cmdline(pid)):
@@ -271,13 +287,94 @@ class Stack:
             time.sleep(0.05)
         return "restarted" if restarted else "started"
 
+    REPLICA_PORT_OFFSET = 1
+    """The local Sentinel set's replica listens on the master's port + this (docs/sentinel.md)."""
+    SENTINEL_DOWN_AFTER_MS = 1000
+    SENTINEL_FAILOVER_TIMEOUT_MS = 5000
+
+    def _daemon(self, name: str, cmd: list[str], log_name: str) -> None:
+        """Run a daemonizing redis-server/redis-sentinel ``cmd`` and wait for its pid file."""
+        res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if res.returncode != 0:
+            raise StackError(f"{name}: exited with {res.returncode}: {res.stdout.strip()[-500:]} "
+                             f"(see {self.logs / log_name})")
+        deadline = time.monotonic() + 5
+        pid_file = self._pid_file(name)
+        while time.monotonic() < deadline:
+            try:
+                if pid_file.read_text().endswith("\n"):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+
+    def _start_sentinel_set(self, policy: Policy, master_result: str) -> str:
+        """With ``redis.sentinels`` (and ``managed``): one replica of the master at PORT+1 and one
+        redis-sentinel per listed address (quorum 2, or 1 with a single sentinel; down-after
+        SENTINEL_DOWN_AFTER_MS), each in ``redis/<name>/`` with its own config file (Sentinel
+        rewrites it). A running one is kept; one no longer listed is stopped. Returns the
+        master's result (as up() reads it); ``sentinel_set_started`` names the parts started."""
+        host, port = policy.redis.host, policy.redis.port
+        name = policy.redis.master_name
+        started = []
+        self.logs.mkdir(parents=True, exist_ok=True)
+        rport = port + self.REPLICA_PORT_OFFSET
+        if not self._live_pid("redis-replica"):
+            if _port_open(host, rport):
+                raise StackError(f"redis: the replica's port {host}:{rport} (redis.url's port + 1) is already in use")
+            d = self.dir.redis_dir / "redis-replica"
+            d.mkdir(parents=True, exist_ok=True)
+            self._daemon("redis-replica", [
+                find_binary("redis-server", "redis-server"), "--bind", host, "--port", str(rport), "--save", "",
+                *(("--appendonly", "yes", "--appendfsync", "everysec") if policy.redis.persist
+                  else ("--appendonly", "no")),
+                "--replicaof", host, str(port),
+                "--daemonize", "yes", "--pidfile", str(self._pid_file("redis-replica")),
+                "--logfile", str(self.logs / "redis-replica.log"), "--dir", str(d)], "redis-replica.log")
+            started.append("replica")
+        wanted = []
+        quorum = 1 if len(policy.redis.sentinels) == 1 else 2
+        for addr in policy.redis.sentinels:
+            shost, _, sport = addr.rpartition(":")
+            sname = f"sentinel-{sport}"
+            wanted.append(sname)
+            if self._live_pid(sname):
+                continue
+            if _port_open(shost.strip("[]"), int(sport)):
+                raise StackError(f"redis: sentinel port {addr} is already in use by another program")
+            d = self.dir.redis_dir / sname
+            d.mkdir(parents=True, exist_ok=True)
+            conf = d / "sentinel.conf"
+            # written afresh at each start: a kept file would name the master of an earlier run
+            conf.write_text(
+                f"bind {shost.strip('[]')}\nport {sport}\ndir {d}\ndaemonize yes\n"
+                f"pidfile {self._pid_file(sname)}\nlogfile {self.logs / (sname + '.log')}\n"
+                f"sentinel monitor {name} {host} {port} {quorum}\n"
+                f"sentinel down-after-milliseconds {name} {self.SENTINEL_DOWN_AFTER_MS}\n"
+                f"sentinel failover-timeout {name} {self.SENTINEL_FAILOVER_TIMEOUT_MS}\n"
+                f"sentinel parallel-syncs {name} 1\n")
+            self._daemon(sname, [find_binary("redis-sentinel", "redis-sentinel"), str(conf)], sname + ".log")
+            started.append(sname)
+        self._stop_sentinel_set(keep=["redis-replica", *wanted])
+        self.sentinel_set_started = started
+        return master_result
+
+    def _stop_sentinel_set(self, keep: list[str]) -> None:
+        """Stop the local Sentinel set's processes not in ``keep`` (sentinels first)."""
+        if not self.pids.is_dir():
+            return
+        for f in sorted(self.pids.glob("sentinel-*.pid")) + [self._pid_file("redis-replica")]:
+            if f.stem not in keep:
+                self._stop_pid(f.stem)
+
     def redis_healthy(self, policy: Policy) -> bool:
         import redis
 
+        from . import redisconn
+
         try:
-            return bool(redis.Redis(host=policy.redis.host, port=policy.redis.port,
-                                    socket_timeout=1, socket_connect_timeout=1).ping())
-        except redis.RedisError:
+            return bool(redisconn.from_url(policy.redis.client_url, socket_timeout=1, socket_connect_timeout=1).ping())
+        except (redis.RedisError, ValueError):
             return False
 
     # ----------------------------------------------------------- simulators
@@ -328,8 +425,13 @@ class Stack:
 
     @staticmethod
     def http_healthy(url: str) -> bool:
+        """Whether ``url`` answers 200. An ``https://`` one is not verified: this asks a process the
+        stack started whether it is up and sends no credential (the clients that send the admin
+        token verify, docs/tls.md)."""
         try:
-            return requests.get(url, timeout=1).status_code == 200
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
+                return requests.get(url, timeout=1, verify=not url.startswith("https://")).status_code == 200
         except requests.RequestException:
             return False
 
@@ -373,16 +475,17 @@ class Stack:
             # the node states in Redis (drained nodes stay down), tested, loaded, recorded as a version
             if self._control_keeps(policy):
                 echo(f"control   {self.apply_via_control(policy_path, policy)}")
-                self.nginx.wait_ready(policy.gateway.listen, timeout=timeout)
+                self.nginx.wait_ready(policy.gateway.listen, timeout=timeout, tls=policy.gateway.tls is not None)
             else:
                 nginx_before = self.nginx.pid()
                 result = self.start_control(policy_path, policy, timeout)
                 echo(f"control   {result}")
                 if result in ("started", "restarted"):
                     started.append("control")
-                self.nginx.wait_ready(policy.gateway.listen, timeout=timeout)
+                self.nginx.wait_ready(policy.gateway.listen, timeout=timeout, tls=policy.gateway.tls is not None)
                 echo(f"nginx     {'reloaded' if nginx_before else 'started'} by the control plane")
             self._stop_unlisted("sim", sims, echo)
+            self.start_gateways(policy, timeout, echo, started)
             self._per_node("agent", sims, lambda node: self.start_agent(policy, node), echo, started)
             result = self.start_batch_worker(policy_path, policy)
             echo(f"batch-worker {result}")
@@ -408,13 +511,16 @@ class Stack:
 
     # -------------------------------------------------------- control plane
     def control_url(self, policy: Policy) -> str:
-        return http_url(policy.control.listen)
+        """``http(s)://`` + the control plane's connect address (``https`` with ``control.tls``)."""
+        from .control.https import base_url
+
+        return base_url(policy.control)
 
     def control_command(self, policy_path: Path, policy: Policy) -> list[str]:
         """The ``kvgate control`` command line of this run directory."""
         return [sys.executable, "-m", "kvgate", "--run-dir", str(self.run_dir), "control",
                 "--policy", str(Path(policy_path).resolve()), "--listen", policy.control.listen,
-                "--redis-url", policy.redis.url,
+                "--redis-url", policy.redis.client_url,
                 "--nginx-prefix", str(self.nginx.prefix), "--token-file", str(self.token_file)]
 
     def _control_keeps(self, policy: Policy) -> bool:
@@ -428,7 +534,7 @@ class Stack:
         def arg(name: str) -> str | None:
             return cmd[cmd.index(name) + 1] if name in cmd[:-1] else None
 
-        return arg("--listen") == policy.control.listen and arg("--redis-url") == policy.redis.url \
+        return arg("--listen") == policy.control.listen and arg("--redis-url") == policy.redis.client_url \
             and self.http_healthy(self.control_url(policy) + "/healthz")
 
     def apply_via_control(self, policy_path: Path, policy: Policy) -> str:
@@ -436,7 +542,8 @@ class Stack:
         from .control.token import read_token
 
         try:
-            client = ControlClient(self.control_url(policy), read_token(self.token_file), timeout=120)
+            client = ControlClient(self.control_url(policy), read_token(self.token_file), timeout=120,
+                                   verify=self._ca_args(policy)[-1] if self._ca_args(policy) else None)
             res = client.apply(Path(policy_path).read_text(encoding="utf-8"), source=f"kvgate up {policy_path}",
                                files_base=str(Path(policy_path).resolve().parent))
         except (ControlError, OSError, ValueError) as exc:
@@ -455,7 +562,7 @@ class Stack:
         restarted = bool(self._live_pid("control"))
         if restarted:
             self._stop_pid("control")
-        if _port_open(*split_host_port(self.control_url(policy).removeprefix("http://"))):
+        if _port_open(*split_host_port(self.control_url(policy).split("://", 1)[1])):
             raise StackError(f"control: {policy.control.listen} is already in use by another program")
         log = self.dir.log_file("control")
         log_start = log.stat().st_size if log.exists() else 0
@@ -470,10 +577,62 @@ class Stack:
             time.sleep(0.1)
         return "restarted" if restarted else "started"
 
+    # ------------------------------------------------------ gateway members
+    def gateway_prefix(self, member_id: str) -> Path:
+        """The nginx prefix of a gateway member beyond the first (docs/scale-out.md)."""
+        return self.run_dir / "gateways" / member_id / "nginx"
+
+    def gateway_command(self, policy: Policy, member_id: str) -> list[str]:
+        """The ``kvgate gateway`` supervisor command line of a member beyond the first."""
+        return [sys.executable, "-m", "kvgate", "--run-dir", str(self.run_dir), "gateway", "--id", member_id,
+                "--control", self.control_url(policy), "--token-file", str(self.token_file),
+                "--prefix", str(self.gateway_prefix(member_id)), *self._ca_args(policy)]
+
+    def start_gateways(self, policy: Policy, timeout: float, echo, started: list[str]) -> None:
+        """Start (or keep) one ``kvgate gateway`` supervisor per member beyond the first, stop those of
+        members no longer listed, and wait until each member's nginx answers ``/kvgate/health``
+        (its supervisor starts it with the control plane's current version). Raises StackError."""
+        members = policy.gateway_members()[1:]
+        for m in members:
+            name = f"gateway-{m.id}"
+
+            def port_free(m=m) -> None:
+                if _port_open(*split_host_port(m.listen)):
+                    raise StackError(f"{name}: {m.listen} is already in use by another program")
+
+            result = self._keep_or_spawn(name, self.gateway_command(policy, m.id), before_start=port_free)
+            echo(f"{name:<9} {result}")
+            if result in ("started", "restarted"):
+                started.append(name)
+        wanted = {f"gateway-{m.id}" for m in members}
+        for f in sorted(self.pids.glob("gateway-*.pid")):
+            if f.stem not in wanted and self._stop_pid(f.stem, timeout=15):
+                echo(f"{f.stem:<9} stopped (no longer in the policy)")
+        deadline = time.monotonic() + timeout
+        scheme = "https" if policy.gateway.tls else "http"
+        for m in members:
+            while not self.http_healthy(f"{scheme}://{m.listen}/kvgate/health"):
+                if not self._live_pid(f"gateway-{m.id}"):
+                    log = self.logs / f"gateway-{m.id}.log"
+                    raise StackError(f"gateway-{m.id} exited at start: {_exit_reason(log, 0)} (see {log})")
+                if time.monotonic() > deadline:
+                    raise StackError(f"gateway-{m.id}: {m.listen} not answering after {timeout:.0f}s "
+                                     f"(see {self.logs / f'gateway-{m.id}.log'})")
+                time.sleep(0.1)
+
     def agent_command(self, policy: Policy, node: NodeConfig) -> list[str]:
         """The ``kvgate agent`` command line for a simulated node."""
         return [sys.executable, "-m", "kvgate", "agent", "--node-id", node.id, "--engine-url", node.url,
-                "--control-url", self.control_url(policy), "--token-file", str(self.token_file)]
+                "--control-url", self.control_url(policy), "--token-file", str(self.token_file),
+                *self._ca_args(policy)]
+
+    @staticmethod
+    def _ca_args(policy: Policy) -> list[str]:
+        """``--ca-file FILE`` for a client of an HTTPS control plane (docs/tls.md), else nothing."""
+        from .control.https import client_verify
+
+        verify = client_verify(policy.control) if policy.control.tls is not None else True
+        return ["--ca-file", verify] if isinstance(verify, str) else []
 
     def start_agent(self, policy: Policy, node: NodeConfig) -> str:
         """Start the node agent of a simulated node (restart it when its arguments changed).
@@ -577,7 +736,8 @@ class Stack:
             echo("nginx     stopped")
         self.dir.clear_running()
         if self.pids.is_dir():
-            for f in sorted(self.pids.glob("*.pid")):
+            # sentinels before the servers they watch (else they start a failover during the stop)
+            for f in sorted(self.pids.glob("sentinel-*.pid")) + sorted(self.pids.glob("*.pid")):
                 name = f.stem
                 if self._stop_pid(name):
                     echo(f"{name:<9} stopped")
@@ -594,6 +754,14 @@ class Stack:
         if policy.redis.managed:
             pid = self._live_pid("redis")
             out.append(Component("redis", pid, self.redis_healthy(policy), policy.redis.url))
+            if policy.redis.sentinels:
+                rpid = self._live_pid("redis-replica")
+                out.append(Component("redis-replica", rpid, rpid is not None,
+                                     f"replica on port {policy.redis.port + self.REPLICA_PORT_OFFSET}"))
+                for addr in policy.redis.sentinels:
+                    spid = self._live_pid(f"sentinel-{addr.rpartition(':')[2]}")
+                    out.append(Component(f"sentinel-{addr.rpartition(':')[2]}", spid, spid is not None,
+                                         f"{addr} (monitors {policy.redis.master_name})"))
         else:
             out.append(Component("redis", None, self.redis_healthy(policy), f"{policy.redis.url} (external)"))
         for node in policy.nodes():
@@ -601,8 +769,14 @@ class Stack:
             kind = "sim" if node.simulate else "node"
             out.append(Component(f"{kind}-{node.id}", pid, self.http_healthy(f"{node.url}/health"), node.url))
         listen = policy.gateway.listen
+        scheme = "https" if policy.gateway.tls else "http"
         out.append(Component("nginx", self.nginx.pid(),
-                             self.http_healthy(f"http://{listen}/kvgate/health"), f"http://{listen}"))
+                             self.http_healthy(f"{scheme}://{listen}/kvgate/health"), f"{scheme}://{listen}"))
+        scheme = "https" if policy.gateway.tls else "http"
+        for m in policy.gateway_members()[1:]:
+            pid = self._live_pid(f"gateway-{m.id}")
+            out.append(Component(f"gateway-{m.id}", pid, self.http_healthy(f"{scheme}://{m.listen}/kvgate/health"),
+                                 f"{scheme}://{m.listen}  (supervisor; nginx in {self.gateway_prefix(m.id)})"))
         control = self.control_url(policy)
         out.append(Component("control", self._live_pid("control"), self.http_healthy(control + "/healthz"),
                              f"{control}  (admin token: kvgate token)"))
@@ -612,7 +786,7 @@ class Stack:
                 out.append(Component(f"agent-{node.id}", pid, pid is not None, f"reports {node.id} to {control}"))
         if policy.batch.enabled:
             pid = self._live_pid("batch-worker")
-            out.append(Component("batch-worker", pid, pid is not None, f"runs batch lines through http://{listen}"))
+            out.append(Component("batch-worker", pid, pid is not None, f"runs batch lines through {scheme}://{listen}"))
         if any(p.semantic.enabled or p.semantic.static_answers for p in policy.pools):
             pid = self._live_pid("semantic")
             where = policy.semantic_service.listen or f"unix:{self.run_dir / 'semantic.sock'}"

@@ -2,7 +2,10 @@
 --
 -- A pool with `admission` admits at most node_capacity × (its serving nodes, weight > 0 in the
 -- runtime in force) requests at once, counted across every worker of this gateway in the
--- kvgate_state dict (one atomic incr: take a slot, give it back when over). A request that
+-- kvgate_state dict (one atomic incr: take a slot, give it back when over) and, with several
+-- gateway members, less the slots the other gateways held at their last sync through Redis
+-- (kvgate.gwload, every gateway.load_sync_s, 50 ms: a burst arriving at several gateways at once may overshoot by
+-- what arrives within one sync, then the tier is held to the pool's slots). A request that
 -- finds no slot waits: at most queue_length of them per pool, each at most queue_timeout_s,
 -- polling for a slot every 2-20 ms (a slot freed anywhere is taken within a poll). Interactive
 -- requests go first: a batch request takes a slot only while no interactive one waits. Beyond
@@ -65,11 +68,23 @@ local function key(pool, what)
     return "adm:" .. pool .. ":" .. what
 end
 
--- try(d, pool, cap) -> true when a slot was taken
+--- inflight_key(pool) -> the kvgate_state key of the pool's admitted requests at this gateway
+function _M.inflight_key(pool)
+    return key(pool, "inflight")
+end
+
+--- remote_key(pool) -> the kvgate_state key of the other gateways' admitted requests of the
+-- pool (kvgate.gwload: summed through Redis every load_sync_s, lapses after 4 rounds without one)
+function _M.remote_key(pool)
+    return key(pool, "remote")
+end
+
+-- try(d, pool, cap) -> true when a slot was taken: this gateway's admitted requests stay
+-- within the pool's slots less those the other gateways hold (as of their last sync)
 local function try(d, pool, cap)
     local k = key(pool, "inflight")
     local v = d:incr(k, 1, 0)
-    if v and v <= cap then
+    if v and v + (d:get(key(pool, "remote")) or 0) <= cap then
         return true
     end
     d:incr(k, -1, 0)

@@ -20,6 +20,7 @@ local peers = require "kvgate.balancer.peers"
 local inflight = require "kvgate.inflight"
 local load = require "kvgate.balancer.load"
 local node_load = require "kvgate.node_load"
+local gwload = require "kvgate.gwload"
 
 local ngx = ngx
 local pairs = pairs
@@ -119,6 +120,8 @@ end
 -- forgotten (a reload started nginx's own fail counts afresh too)
 function _M.init(cfg)
     instances = {}
+    -- with other gateway members, the bounds add their in-flight work (kvgate.gwload)
+    load.remote = gwload.shared(cfg)
     local rt = config.runtime()
     for name, pool in pairs(cfg.pools) do
         local b, err = build(name, pool, rt and rt.pools[name])
@@ -144,6 +147,7 @@ end
 -- marks of the other workers (every peers.REFRESH_S), and the engines' reports' (node_load)
 function _M.init_worker()
     node_load.init_worker()
+    gwload.init_worker()
     local ok, err = ngx.timer.every(peers.REFRESH_S, refresh)
     if not ok then
         ngx.log(ngx.ERR, "kvgate balancer: cannot start the refresh timer: ", err)

@@ -32,6 +32,10 @@ _M.FLIGHT_PREFIX = "kvgate:flight:"
 -- cache tags (kvgate.semantic, X-Kvgate-Cache-Tags): a set kvgate:tag:<tag> of exact-cache keys,
 -- its TTL the entries'; read and deleted by `kvgate cache invalidate --tag` (control/semcache.py)
 _M.TAG_PREFIX = "kvgate:tag:"
+-- in-flight prefill per gateway (kvgate.gwload): a hash kvgate:gwload:<gateway id>, field =
+-- "<pool>\t<node>" or "<pool>\t" (the pool's total), value = tokens; replaced every gateway.load_sync_s
+-- (50 ms) by the gateway's worker 0, TTL 4 rounds; every gateway sums the other members' hashes
+_M.GWLOAD_PREFIX = "kvgate:gwload:"
 _M.NODE_LOAD_FIELDS = { "received_at", "interval_s", "waiting", "running", "kv_use" }
 
 --- node_load(pool) -> "kvgate:load:<pool>"
@@ -103,6 +107,8 @@ _M.METRICS = {
     bad_requests = "kvgate_bad_requests_total",
     upstream_inflight = "kvgate_upstream_inflight",
     upstream_load = "kvgate_upstream_load_tokens",
+    upstream_load_remote = "kvgate_upstream_load_tokens_remote",
+    redis_master_changes = "kvgate_redis_master_changes_total",
     route_spill = "kvgate_route_spill_total",
     upstream_failover = "kvgate_upstream_failover_total",
     upstream_breaker = "kvgate_upstream_breaker_state",

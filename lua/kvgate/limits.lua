@@ -407,16 +407,34 @@ local function flush(premature, cfg_of)
     local cfg = cfg_of()
     local batch = queue
     queue, nqueue = {}, 0
+    -- one command per key: the batch's releases of one concurrency set in one ZREM, its
+    -- settlements of one token bucket summed into one SETTLE at the latest time among them
+    -- (a tenant's tpm bucket is every request's: under load a round's many SETTLEs, ~9 us of
+    -- Redis CPU each, become one)
     local cmds, n = {}, 0
     local settle_sha = sha_of("SETTLE")
+    local by_key = {}
     for i = 1, #batch do
         local s = batch[i]
+        local k = s.zrem or s.key
+        local c = by_key[k]
         if s.zrem then
-            n = n + 1
-            cmds[n] = { "zrem", s.zrem, s.member }
+            if c then
+                c[#c + 1] = s.member
+            else
+                n = n + 1
+                c = { "zrem", s.zrem, s.member }
+                cmds[n], by_key[k] = c, c
+            end
+        elseif c then
+            c[8] = c[8] + s.delta
+            if tonumber(s.now) > tonumber(c[5]) then
+                c[5] = s.now
+            end
         else
             n = n + 1
-            cmds[n] = { "evalsha", settle_sha, 1, s.key, s.now, s.cap, s.win, s.delta }
+            c = { "evalsha", settle_sha, 1, s.key, s.now, s.cap, s.win, s.delta }
+            cmds[n], by_key[k] = c, c
         end
     end
     local replies, err = kredis.pipeline(cfg.redis, cmds)

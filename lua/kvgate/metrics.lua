@@ -31,6 +31,7 @@ _M.FAMILIES = {
     kvgate_bad_requests_total = { "counter", "Requests rejected by the gateway before any node was contacted, by status." },
     kvgate_upstream_inflight = { "gauge", "Requests in flight per node: counted from the balancer's pick until the request ends (all workers, across reloads)." },
     kvgate_upstream_load_tokens = { "gauge", "In-flight prefill work per node of the bounded balancers (chash_bounded): estimated prompt tokens of the requests routed there, from the pick until the request ends (all workers)." },
+    kvgate_upstream_load_tokens_remote = { "gauge", "The other gateways' in-flight prefill work per node (estimated prompt tokens), as this gateway last read it from Redis (kvgate.gwload, every gateway.load_sync_s); the bounded balancers add it to this gateway's own. Only with more than one gateway member." },
     kvgate_upstream_failover_total = { "counter", "Tries passed on to another node (a connection error, timeout, 502 or 503, or a 403/404 nginx passes on; never after a byte reached the client), by the node left; kvgate_failovers_total counts the requests." },
     kvgate_upstream_breaker_state = { "gauge", "Each node's circuit breaker: 0 closed, 1 open (skipped after failover.breaker_failures failures in a row), 2 half-open (one trial request); written by worker 0 every 0.2 s." },
     kvgate_route_spill_total = { "counter", "Keyed requests a bounded balancer (chash_bounded) sent past their home node because it was over its load bound or its engine's queue over saturated_queue; node = the home that gave way." },
@@ -50,6 +51,7 @@ _M.FAMILIES = {
     kvgate_request_log_dropped_total = { "counter", "Request-log entries dropped, by reason (buffer-full, redis-down, redis-error, spill-full)." },
     kvgate_prefix_captures_total = { "counter", "Prompt prefixes sent to Redis for warm-up (SET NX: an existing text is kept)." },
     kvgate_prefix_capture_skipped_total = { "counter", "Prompt prefixes not captured although the pool captures, by reason (too-large, not-chat, no-messages, error-status)." },
+    kvgate_redis_master_changes_total = { "counter", "Times the gateway's Redis master, as Sentinel names it (redis.sentinels), changed address: a failover, counted once per gateway by the first worker to see it (docs/sentinel.md)." },
 }
 
 _M.BUCKETS = { 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300 }

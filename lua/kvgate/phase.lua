@@ -383,6 +383,7 @@ function _M.metrics()
     local extra = admission.lines(cfg)
     extra[inflight.NAME] = inflight.lines(cfg)
     extra[load.NAME] = load.lines(cfg)
+    extra[load.REMOTE_NAME] = load.remote_lines(cfg)
     ngx.print(metrics.render(extra))
 end
 

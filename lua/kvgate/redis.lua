@@ -6,6 +6,15 @@
 -- (cache lookup, request-log flush) skips Redis while down() is true — BREAKER_S, shared
 -- by all workers through the kvgate_state dict — so an unreachable Redis costs one
 -- timeout per second instead of one per request or per flush.
+--
+-- Sentinel (cfg.sentinels, docs/sentinel.md): the master's address is asked of the sentinels
+-- (Debian's nginx.redis.sentinel get_master) once and kept per worker, not per request; the calls
+-- connect straight to it through the same pooled client, in a keepalive pool named after that
+-- address (a switch never reuses a connection to the old master). It is asked again every
+-- RESOLVE_S (a timer per worker) and at the next call after a connection error or a READONLY
+-- reply (a demoted master). A change of address is logged and counted once per gateway
+-- (kvgate_redis_master_changes_total). While the master is away the calls fail as they do
+-- without Sentinel: the breaker trips, the cache misses, the limits fall back.
 local redis = require "nginx.redis"
 
 local ngx = ngx
@@ -15,11 +24,17 @@ local unpack = unpack
 local type = type
 local setmetatable = setmetatable
 local rawget = rawget
+local pairs = pairs
+local pcall = pcall
+local tonumber = tonumber
+local find = string.find
 
 local _M = {}
 
 local STATE = "kvgate_state"
 _M.BREAKER_S = 1
+_M.RESOLVE_S = 1 -- the timer's period: a failover is seen within this after Sentinel promotes
+local RESOLVE_MIN_S = 0.1 -- after a failed call, at most one question to the sentinels per worker this often
 
 --- down() -> true while the breaker is open (a Redis call failed less than BREAKER_S ago)
 function _M.down()
@@ -38,17 +53,158 @@ end
 -- cfg (the config's redis table) -> the connect options naming its keepalive pool, built once
 local opts_of = setmetatable({}, { __mode = "k" })
 
-local function connect(cfg)
+-- ------------------------------------------------------------------ Sentinel
+-- master_name -> { host, port, addr, opts (keepalive pool "<ip>:<port>:<db>"), stale, last
+-- (ngx.now() of the last question), resolving, cfg (the last config that used it) }; per worker
+local masters = {}
+
+-- the first sentinel that names a master wins -> host, port | nil, err
+local function ask_sentinels(cfg)
+    local sentinel = require "nginx.redis.sentinel"
+    if not redis.sentinel then
+        redis.add_commands("sentinel") -- (what nginx.redis.connector does when it loads)
+    end
+    local errs = {}
+    local list = cfg.sentinels
+    for i = 1, #list do
+        local s = list[i]
+        local red = redis:new()
+        red:set_timeout(cfg.sentinel_timeout_ms or 250)
+        local ok, err = red:connect(s.host, s.port, { pool = "sentinel:" .. s.host .. ":" .. s.port })
+        if ok then
+            local m, gerr = sentinel.get_master(red, cfg.master_name)
+            if m then
+                red:set_keepalive(60000, 4)
+                return m.host, tonumber(m.port)
+            end
+            red:close()
+            err = gerr or ("no master named " .. cfg.master_name)
+        end
+        errs[#errs + 1] = s.host .. ":" .. s.port .. ": " .. tostring(err)
+    end
+    return nil, table.concat(errs, "; ")
+end
+
+local function switched(name, prev, addr)
+    -- counted and logged by one worker: the first to add the transition's marker
+    local state = ngx.shared[STATE]
+    if not state then
+        return
+    end
+    local key = "redis_master:" .. name
+    local known = state:get(key)
+    if known == addr then
+        return
+    end
+    state:set(key, addr)
+    if known and state:add("redis_switch:" .. name .. ":" .. known .. ">" .. addr, true, 10) then
+        require("kvgate.metrics").incr("kvgate_redis_master_changes_total", {})
+        ngx.log(ngx.WARN, "kvgate redis: master ", name, " moved from ", known, " to ", addr, " (sentinel)")
+    end
+end
+
+--- resolve(cfg) -> true | false, err: ask the sentinels for cfg.master_name's address now
+-- (one question at a time per worker: a call while another is on its way returns at once)
+function _M.resolve(cfg)
+    local name = cfg.master_name
+    local m = masters[name]
+    if not m then
+        m = {}
+        masters[name] = m
+    end
+    m.cfg = cfg
+    if m.resolving then
+        return m.host ~= nil, "being resolved"
+    end
+    m.resolving = true
+    local ok, host, port = pcall(ask_sentinels, cfg)
+    m.resolving = false
+    m.last = ngx.now()
+    if not ok or not host then
+        local err = ok and port or host
+        ngx.log(ngx.WARN, "kvgate redis: sentinels do not name master ", name, ": ", tostring(err))
+        return false, err
+    end
+    m.stale = false
+    local addr = host .. ":" .. port
+    if addr ~= m.addr then
+        local prev = m.addr
+        m.host, m.port, m.addr = host, port, addr
+        m.opts = { pool = addr .. ":" .. cfg.db }
+        switched(name, prev, addr)
+    end
+    return true
+end
+
+--- master(cfg) -> { host, port, addr } | nil: this worker's view of the master (nil: none known yet)
+function _M.master(cfg)
+    return masters[cfg.master_name]
+end
+
+local function suspect(cfg)
+    local m = masters[cfg.master_name]
+    if m then
+        m.stale = true
+    end
+end
+
+local function readonly(cfg, msg)
+    if cfg.sentinels and msg and find(tostring(msg), "READONLY", 1, true) then
+        suspect(cfg)
+    end
+end
+
+local function tick(premature)
+    if premature then
+        return
+    end
+    for _, m in pairs(masters) do
+        if m.cfg then
+            _M.resolve(m.cfg)
+        end
+    end
+end
+
+local function connect_sentinel(cfg)
+    local m = masters[cfg.master_name]
+    if not m or not m.host or (m.stale and ngx.now() - m.last >= RESOLVE_MIN_S) then
+        _M.resolve(cfg)
+        m = masters[cfg.master_name]
+        if not m.host then
+            return nil, "connect: no master " .. cfg.master_name .. " known from the sentinels"
+        end
+    end
+    m.cfg = cfg
     local red = redis:new()
     red:set_timeout(cfg.timeout_ms)
-    local opts = opts_of[cfg]
-    if not opts then
-        opts = { pool = cfg.host .. ":" .. cfg.port .. ":" .. cfg.db }
-        opts_of[cfg] = opts
-    end
-    local ok, err = red:connect(cfg.host, cfg.port, opts)
+    local ok, err = red:connect(m.host, m.port, m.opts)
     if not ok then
+        m.stale = true
         return nil, "connect: " .. tostring(err)
+    end
+    return red
+end
+
+local function connect(cfg)
+    local red
+    if cfg.sentinels then
+        local err
+        red, err = connect_sentinel(cfg)
+        if not red then
+            return nil, err
+        end
+    else
+        red = redis:new()
+        red:set_timeout(cfg.timeout_ms)
+        local opts = opts_of[cfg]
+        if not opts then
+            opts = { pool = cfg.host .. ":" .. cfg.port .. ":" .. cfg.db }
+            opts_of[cfg] = opts
+        end
+        local ok, err = red:connect(cfg.host, cfg.port, opts)
+        if not ok then
+            return nil, "connect: " .. tostring(err)
+        end
     end
     if cfg.db ~= 0 then
         local times = red:get_reused_times()
@@ -80,6 +236,9 @@ function _M.get(cfg, key)
     if not v then
         -- nil: network error; false: error reply
         red:close()
+        if cfg.sentinels then
+            suspect(cfg)
+        end
         return nil, "get: " .. tostring(gerr)
     end
     release(red, cfg)
@@ -98,6 +257,9 @@ function _M.set(cfg, key, value, ttl_s)
     local ok, serr = red:set(key, value, "EX", ttl_s)
     if not ok then
         red:close()
+        if cfg.sentinels then
+            suspect(cfg)
+        end
         return nil, "set: " .. tostring(serr)
     end
     release(red, cfg)
@@ -129,9 +291,21 @@ function _M.pipeline(cfg, cmds)
     local replies, perr = red:commit_pipeline()
     if not replies then
         red:close()
+        if cfg.sentinels then
+            suspect(cfg)
+        end
         return nil, "pipeline: " .. tostring(perr)
     end
     release(red, cfg)
+    if cfg.sentinels then
+        -- a master demoted under us answers writes with READONLY: ask the sentinels again
+        for i = 1, #replies do
+            local r = replies[i]
+            if type(r) == "table" and r[1] == false then
+                readonly(cfg, r[2])
+            end
+        end
+    end
     return replies
 end
 
@@ -181,6 +355,11 @@ end
 function _M.start_batches()
     semaphore = require "ngx.semaphore"
     sender_on = true
+    -- the Sentinel re-resolve timer (does nothing until a config with sentinels made a call)
+    local ok, err = ngx.timer.every(_M.RESOLVE_S, tick)
+    if not ok then
+        ngx.log(ngx.ERR, "kvgate redis: no sentinel timer: ", err)
+    end
 end
 
 --- call(cfg, cmd) -> reply | nil, err

@@ -141,6 +141,7 @@ PROGRAMS = {
     "nginx": "nginx",
     "redis-server": "redis-server",
     "redis-cli": "redis-tools",
+    "redis-sentinel": "redis-sentinel",
 }
 
 
@@ -175,7 +176,8 @@ def test_compose_file_is_a_compose_spec_file() -> None:
     assert not UNESCAPED, f"compose would substitute these `$` (mostly with nothing): write $$ in {UNESCAPED}"
     assert "version" not in COMPOSE, "the compose spec has no `version:` key (compose warns that it is obsolete)"
     expected = {"redis", "gateway", "control", "batch-worker", "semantic"} | {f"engine-{n}" for n in NODE_IDS} \
-        | {f"agent-{n}" for n in NODE_IDS}
+        | {f"agent-{n}" for n in NODE_IDS} | {"redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"} \
+        | {"gateway-b", "semantic-b"}
     assert set(SERVICES) == expected
     declared = set(COMPOSE.get("volumes") or {})
     for name, svc in SERVICES.items():
@@ -441,7 +443,8 @@ def test_compose_policy_validates() -> None:
 
 def test_compose_policy_renders_where_the_service_names_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
     # In the control container the compose DNS answers for the service names; here a fake does.
-    addresses = {"redis": "172.30.0.2", **{f"engine-{n}": f"172.30.0.{10 + i}" for i, n in enumerate(NODE_IDS)}}
+    addresses = {"redis": "172.30.0.2", **{f"engine-{n}": f"172.30.0.{10 + i}" for i, n in enumerate(NODE_IDS)},
+                 **{f"sentinel-{i}": f"172.30.0.{20 + i}" for i in (1, 2, 3)}}
 
     def compose_dns(host, port, family=0, type=0, proto=0, flags=0):
         if host not in addresses or family == socket.AF_INET6:
@@ -461,7 +464,10 @@ def test_compose_policy_renders_where_the_service_names_resolve(monkeypatch: pyt
         assert data["nodes_by_addr"][peer] == node.id
         assert {"id": node.id, "peer": peer}.items() <= next(
             n for n in data["pools"][POLICY.pools[0].name]["nodes"] if n["id"] == node.id).items()
-    assert data["redis"]["host"] == addresses["redis"]
+    # through Sentinel: the data path asks the sentinels (at the addresses their names resolved
+    # to) for the master of master_name
+    assert data["redis"]["sentinels"] == [{"host": addresses[f"sentinel-{i}"], "port": 26379} for i in (1, 2, 3)]
+    assert data["redis"]["master_name"] == POLICY.redis.master_name
 
 
 def test_batch_worker_runs_the_compose_policy_through_the_gateway() -> None:
@@ -479,3 +485,47 @@ def test_batch_worker_runs_the_compose_policy_through_the_gateway() -> None:
     mounts = {v.split(":")[1]: v for v in svc["volumes"]}
     assert mounts["/var/lib/kvgate/run"] == "run-dir:/var/lib/kvgate/run"  # writable: output files
     assert POLICY.batch.enabled and POLICY.batch.data_dir is None  # → <run dir>/data, on that volume
+
+
+# ------------------------------------------------------------------ the tier: Sentinel and two gateways
+
+def test_sentinels_watch_the_policys_master_with_a_replica() -> None:
+    sentinels = [split for split in (a.rpartition(":") for a in POLICY.redis.sentinels)]
+    assert [h for h, _, _ in sentinels] == ["sentinel-1", "sentinel-2", "sentinel-3"]
+    assert POLICY.redis.managed is False
+    for host, _, port in sentinels:
+        assert argv(host) == ["redis-sentinel", "/data/sentinel.conf"]
+        script = SERVICES[host]["command"][2]
+        # the first config: the master by its service name, a quorum of 2 of the 3
+        assert f"port {port}" in script
+        assert f"sentinel monitor {POLICY.redis.master_name} {POLICY.redis.host} {POLICY.redis.port} 2" in script
+        assert "resolve-hostnames yes" in script
+        assert volume_mounts(host)["/data"][0] == f"{host}-data", "each sentinel keeps its own rewritten config"
+        assert "redis-cli -p 26379 ping" in SERVICES[host]["healthcheck"]["test"][1]
+        assert "ports" not in SERVICES[host]
+    args = argv("redis-replica")
+    assert args[0] == "redis-server" and args[-3:] == ["--replicaof", POLICY.redis.host, str(POLICY.redis.port)]
+    assert options(args[1:-3])["--appendonly"] == "yes"
+    assert "ports" not in SERVICES["redis-replica"]
+    for s in ("sentinel-1", "sentinel-2", "sentinel-3"):
+        assert s in SERVICES["control"]["depends_on"], "the control plane renders the sentinels' addresses"
+
+
+def test_second_gateway_member_runs_the_supervisor() -> None:
+    members = {m.id: m for m in POLICY.gateway_members()}
+    assert list(members) == ["a", "b"] and members["a"].listen == POLICY.gateway.listen
+    group_opts, sub, opts = kvgate_call("gateway-b")
+    assert sub == "gateway" and opts["--id"] == "b"
+    control = urlsplit(str(opts["--control"]))
+    assert control.hostname == "gateway" and control.port == _port(POLICY.control.listen)
+    run_dir = kvgate_call("control")[0]["--run-dir"]
+    assert Path(str(opts["--token-file"])) == Path(run_dir) / "admin.token"
+    assert volume_mounts("gateway-b")[run_dir] == (volume_mounts("control")[run_dir][0], True)
+    assert volume_mounts("gateway-b")[str(opts["--prefix"])][0] == "nginx-prefix-b", "its own nginx prefix"
+    published = {int(str(p).split(":")[-1]): int(str(p).split(":")[-2]) for p in SERVICES["gateway-b"]["ports"]}
+    assert published == {_port(members["b"].listen): _port(members["b"].listen)}
+    assert members["b"].listen.startswith("0.0.0.0:")
+    # the semantic service of member b, in its network namespace at the policy's address
+    assert SERVICES["semantic-b"]["network_mode"] == "service:gateway-b"
+    assert kvgate_call("semantic-b")[2]["--policy"] == f"{IMAGE_ROOT}/policies/compose.yaml"
+    assert POLICY.semantic_service.listen.startswith("127.0.0.1:")

@@ -76,7 +76,8 @@ def test_event_kinds_keep_their_stored_strings() -> None:
     assert {k.value for k in EventKind} == {
         "state", "node_added", "node_removed", "policy_applied", "policy_rejected", "cache_invalidated", "apikey_created", "apikey_revoked",
         "batch_cancelled", "reload", "reload_failed", "runtime_pushed", "engine_restarted", "store_back", "failover",
-        "eject_skipped", "warmup", "ramp", "ramp_held", "degrade", "weight", "drain_failed"}
+        "eject_skipped", "warmup", "ramp", "ramp_held", "degrade", "weight", "drain_failed", "gateway_lost",
+        "gateway_back"}
     assert json.dumps({"kind": EventKind.RUNTIME_PUSHED}) == '{"kind": "runtime_pushed"}'
     # the store's prefix filter: a pushed runtime is not a reload
     assert not EventKind.RUNTIME_PUSHED.startswith("reload") and EventKind.RELOAD_FAILED.startswith("reload")

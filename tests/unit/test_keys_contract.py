@@ -29,7 +29,7 @@ io.write(cjson.encode({
     resp = k.resp(7, "default", "ab12"), hot = k.hot("p1", 1800000000.25), prefix_text = k.prefix_text("p1", "f0"),
     NODE_LOAD_PREFIX = k.NODE_LOAD_PREFIX, NODE_LOAD_FIELDS = k.NODE_LOAD_FIELDS, node_load = k.node_load("p1"),
     APIKEY_PREFIX = k.APIKEY_PREFIX, RATELIMIT_PREFIX = k.RATELIMIT_PREFIX, APIKEY_INDEX = k.APIKEY_INDEX, apikey = k.apikey("d1"),
-    FLIGHT_PREFIX = k.FLIGHT_PREFIX, TAG_PREFIX = k.TAG_PREFIX,
+    FLIGHT_PREFIX = k.FLIGHT_PREFIX, TAG_PREFIX = k.TAG_PREFIX, GWLOAD_PREFIX = k.GWLOAD_PREFIX,
 }))
 """
 
@@ -54,6 +54,7 @@ def test_redis_keys_match(lua: dict) -> None:
     assert lua["apikey"] == keys.apikey_key("d1")
     assert lua["RATELIMIT_PREFIX"] == keys.RATELIMIT_PREFIX
     assert lua["FLIGHT_PREFIX"] == keys.FLIGHT_PREFIX and lua["TAG_PREFIX"] == keys.TAG_PREFIX
+    assert lua["GWLOAD_PREFIX"] == keys.GWLOAD_PREFIX
     assert lua["node_load"] == keys.node_load_key("p1") == "kvgate:load:p1"
 
 

@@ -97,6 +97,8 @@ class FakePlane:
         self._fail: dict[str, BaseException] = {}
         # the plane's published state (kvgate.control.views.Snapshot); views read its gateway scrape
         self.snapshot = types.SimpleNamespace(gateway={"ok": True, "breaker": {}})
+        # the gateway members (kvgate.control.gateways): one, the plane's own (the Fleet page shows no table)
+        self.gateways = types.SimpleNamespace(view=lambda: [{"id": "local", "local": True}], sync_s=lambda: 1.0)
 
     # -------------------------------------------------------------- test hooks
     def fail(self, method: str, exc: BaseException) -> None:

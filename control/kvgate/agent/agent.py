@@ -95,11 +95,12 @@ class Agent:
             default ``min(2.0, max(interval_s, 0.5))``.
         follow_control: adopt the ``interval_s`` the control plane answers (off when an operator
             fixed the interval on the command line).
+        ca_file: PEM bundle that verifies an ``https://`` control plane (None: requests' default store).
     """
 
     def __init__(self, node_id: str, engine_url: str, control_url: str, token: str,
                  interval_s: float = DEFAULT_INTERVAL_S, timeout_s: float | None = None,
-                 follow_control: bool = True):
+                 follow_control: bool = True, ca_file: str | None = None):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.node_id = node_id
@@ -114,6 +115,8 @@ class Agent:
         self.last_status: int | None = None  # HTTP status of the last post (None: no answer)
         self._engine_session = requests.Session()
         self._control_session = requests.Session()
+        # per request: $REQUESTS_CA_BUNDLE would override a Session's verify (psf/requests#3829)
+        self._control_verify: str | bool = ca_file or True
         self._problems = _Problems()
         self._identity = {"version": _version(), "hostname": collect.hostname(), "pid": os.getpid()}
         collect.host()  # prime psutil.cpu_percent: the next call measures since now
@@ -138,7 +141,8 @@ class Agent:
         self.last_status = None
         try:
             r = self._control_session.post(self.report_url, json=report, timeout=self.timeout_s,
-                                           headers={"Authorization": f"Bearer {self.token}"})
+                                           headers={"Authorization": f"Bearer {self.token}"},
+                                           verify=self._control_verify)
             self.last_status = r.status_code
         except requests.RequestException as e:
             self._problems.report("control/unreachable", f"cannot reach the control plane at {self.control_url}: "

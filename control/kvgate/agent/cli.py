@@ -59,11 +59,15 @@ def _read_token_file(path: Path) -> str:
 @click.option("--timeout", type=click.FloatRange(0, 60, min_open=True), default=None,
               help="Seconds for each HTTP call (engine /health and /metrics, the report). "
                    "[default: 2, or the --interval if shorter, at least 0.5]")
+@click.option("--ca-file", envvar="KVGATE_CA_FILE", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="PEM bundle to verify an https:// control plane with (control.tls, docs/tls.md) "
+                   "[default: the system's store].")
 @click.option("--once", is_flag=True,
               help="Collect one report, print it as JSON to stdout and exit; posts nothing, needs no token.")
 @click.pass_context
 def agent_command(ctx: click.Context, node_id: str, engine_url: str, control_url: str, token: str | None,
-                  token_file: Path | None, interval: float | None, timeout: float | None, once: bool) -> None:
+                  token_file: Path | None, interval: float | None, timeout: float | None, ca_file: Path | None,
+                  once: bool) -> None:
     """Report this node's GPUs, host and engine to the kvgate control plane.
 
     Every interval the agent reads NVML (GPUs), psutil (CPU, load, memory) and the engine's /health
@@ -89,7 +93,7 @@ def agent_command(ctx: click.Context, node_id: str, engine_url: str, control_url
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     agent = Agent(node_id, engine_url, control_url, token, interval_s=interval or DEFAULT_INTERVAL_S,
-                  timeout_s=timeout, follow_control=interval is None)
+                  timeout_s=timeout, follow_control=interval is None, ca_file=str(ca_file) if ca_file else None)
     if once:
         time.sleep(ONCE_CPU_SAMPLE_S)  # so host.cpu_pct covers a real sample, not the last few ms
         click.echo(json.dumps(agent.collect(), indent=2))

@@ -32,9 +32,9 @@ def parse_since(since: str | None) -> float | None:
 def read_log(url: str, since_s: float | None = None, limit: int | None = None) -> Iterator[dict]:
     """The stream's entries from ``since_s`` seconds ago (all: None), oldest first, in pages of
     :data:`PAGE` (XRANGE); at most ``limit``. Raises redis.RedisError."""
-    import redis
+    from .. import redisconn
 
-    r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=10)
+    r = redisconn.from_url(url, decode_responses=True, socket_timeout=10)
     start = "-" if since_s is None else f"{int((time.time() - since_s) * 1000)}-0"
     n = 0
     while True:
@@ -72,7 +72,7 @@ def export_command(ctx: click.Context, url: str | None, since: str | None, out: 
         running = Stack((ctx.find_root().obj or {}).get("run_dir")).load_running_policy()
         if running is None:
             raise click.UsageError("no running stack here (kvgate up): give the gateway's Redis with --redis URL")
-        url = running.redis.url
+        url = running.redis.client_url
 
     try:
         since_s = parse_since(since)

@@ -576,10 +576,15 @@ class Runner:
             headers = {PRINCIPAL_HEADER: records.sign_principal(self.secret, b.id, line, tenant, expires),
                        "X-Kvgate-Priority": "batch", "Content-Type": "application/json"}
             base = self.gateway_url or http_url(self.policy.gateway.listen)
+            # gateway.tls (docs/tls.md): this host's own gateway over HTTPS, its certificate not
+            # verified (it may name the public host, not the loopback address connected to here)
+            local_tls = not self.gateway_url and self.policy.gateway.tls is not None
+            if local_tls:
+                base = "https" + base.removeprefix("http")
             timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
             assert self.session is not None
             async with self.session.post(base + url, data=json.dumps(body), headers=headers,
-                                         timeout=timeout) as resp:
+                                         timeout=timeout, ssl=not local_tls) as resp:
                 raw = await resp.read()
                 try:
                     payload: Any = json.loads(raw)

@@ -57,6 +57,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .. import redisconn
 from ..policy.pricing import NANO_PER_USD, TokenPrices
 from .replay import ReplayError, _percentile, reset_prefix_caches, scrape_engine, wait_engines_idle
 
@@ -540,7 +541,7 @@ def bill_command(ctx: click.Context, trace_path: Path | None, mix_path: Path | N
         mix = load_mix(mix_path, trace_path=trace_path, model=pool.models[0], scale=scale)
     except (OSError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
-    r = redis.Redis.from_url(policy.redis.url, socket_timeout=10)
+    r = redisconn.from_url(policy.redis.client_url, socket_timeout=10)
     client = ControlClient(stack.control_url(policy), read_token(stack.token_file), timeout=120)
     original = client.policy().get("yaml")
     keys: dict[str, str] = {}

@@ -33,6 +33,7 @@ import requests
 from rich.console import Console
 from rich.table import Table
 
+from .. import redisconn
 from ..policy.loader import PolicyError
 from .replay import ReplayError, scrape_engine, send_trace, wait_engines_idle
 from .trace import load_trace
@@ -130,7 +131,7 @@ def costs_command(ctx: click.Context, trace_path: Path, limit: int, repeats: int
     nodes = pool.nodes
     prices = pool.prices.nano_usd_per_token() if pool.prices else None
     gateway = f"http://{policy.gateway.listen}"
-    r = redis.Redis.from_url(policy.redis.url)
+    r = redisconn.from_url(policy.redis.client_url)
     trace = load_trace(trace_path, limit)
     console.print(f"{len(trace)} trace requests + {repeats} cache hits through {gateway}; the control plane "
                   f"{'stays up' if no_restart else 'restarts half-way'}")

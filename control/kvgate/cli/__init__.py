@@ -22,6 +22,7 @@ class _LazyGroup(click.Group):
         "replay": ("kvgate.bench.cli", "replay_command"),
         "bench": ("kvgate.bench.gateway", "bench_command"),
         "agent": ("kvgate.agent.cli", "agent_command"),
+        "gateway": ("kvgate.gateway.supervisor", "gateway_command"),
         "control": ("kvgate.control.cli", "control_command"),
         "keys": ("kvgate.cli.keys", "keys_command"),
         "batches": ("kvgate.cli.batches", "batches_command"),

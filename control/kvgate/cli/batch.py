@@ -76,6 +76,7 @@ def batch_worker_command(ctx: click.Context, policy_path: Path, token: str | Non
     """
     import redis
 
+    from kvgate import redisconn
     from kvgate.addr import split_host_port
     from kvgate.batch.files import FileStore
     from kvgate.batch.runner import Runner, WorkerMetrics, data_dir_of
@@ -100,12 +101,12 @@ def batch_worker_command(ctx: click.Context, policy_path: Path, token: str | Non
     data = data_dir or data_dir_of(policy, run_dir)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    r = redis.Redis.from_url(redis_url or policy.redis.url, decode_responses=True, socket_timeout=10,
-                             socket_connect_timeout=5, health_check_interval=30)
+    r = redisconn.from_url(redis_url or policy.redis.client_url, decode_responses=True, socket_timeout=10,
+                           socket_connect_timeout=5, health_check_interval=30)
     try:
         r.ping()
     except redis.RedisError as exc:
-        _fail(f"redis at {redis_url or policy.redis.url}: {exc}", 1)
+        _fail(f"redis at {redis_url or policy.redis.client_url}: {exc}", 1)
     metrics = WorkerMetrics()
     if metrics_listen:
         from prometheus_client import start_http_server
@@ -121,7 +122,7 @@ def batch_worker_command(ctx: click.Context, policy_path: Path, token: str | Non
         from kvgate.fleet.runtime import runtime_for
 
         p = policy_file.policy
-        store = Store(p.redis.url if not redis_url else redis_url)
+        store = Store(p.redis.client_url if not redis_url else redis_url)
         return dict(runtime_for(p, store.nodes(), store.pools([pl.name for pl in p.pools])).home_weights)
 
     runner = Runner(policy_file, r, FileStore(data, r, retention_days=policy.batch.file_retention_days), token,

@@ -34,7 +34,7 @@ def _client(ctx: click.Context, control_url: str | None, token: str | None):
     except ControlError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
-    return ControlClient(url, tok)
+    return ControlClient(url, tok, run_dir=run_dir)  # run_dir: its self-signed control.tls certificate
 
 
 def _fail(exc) -> None:
@@ -272,6 +272,15 @@ def apply_command(ctx, policy: Path, force: bool, control_url, token) -> None:
         _fail(exc)
     what = "applied as version" if res["changed"] else "unchanged, still version"
     click.echo(f"{policy}: {what} {res['version']} (nginx {res['result']})")
+    gw = res.get("gateways")
+    if gw:
+        lost = f"; lost, not waited for: {', '.join(gw['lost'])}" if gw["lost"] else ""
+        if gw["complete"]:
+            click.echo(f"gateways: all {gw['members'] - len(gw['lost'])} live member(s) run version {res['version']} "
+                       f"(waited {gw['waited_s']:.2f}s){lost}")
+        else:
+            click.echo(f"gateways: not yet on version {res['version']} after {gw['waited_s']:.1f}s: "
+                       f"{', '.join(gw['laggards'])} (applied anyway: they follow when they catch up){lost}")
     try:
         joining = [n["id"] for n in client.nodes() if n["state"] == "joining"]
     except ControlError:

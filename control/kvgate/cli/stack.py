@@ -75,8 +75,11 @@ def up(ctx: click.Context, policy: Path, timeout: float) -> None:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
     _progress("")
-    where = f"http://{pol.gateway.listen}" if pol.public_metrics else pol.gateway.internal_listen
-    _progress(f"gateway   http://{pol.gateway.listen}/v1   (OpenAI-compatible; metrics at {where}/metrics)")
+    scheme = "https" if pol.gateway.tls else "http"  # gateway.tls: docs/tls.md
+    where = f"{scheme}://{pol.gateway.listen}" if pol.public_metrics else pol.gateway.internal_listen
+    _progress(f"gateway   {scheme}://{pol.gateway.listen}/v1   (OpenAI-compatible; metrics at {where}/metrics)")
+    for m in pol.gateway_members()[1:]:  # docs/scale-out.md
+        _progress(f"gateway   {scheme}://{m.listen}/v1   (member {m.id}: `kvgate gateway --id {m.id}`)")
     for node in pol.nodes():
         _progress(f"node {node.id:<4} {node.url}{'  (simulated)' if node.simulate else ''}")
     _progress(f"redis     {pol.redis.url}")
@@ -122,7 +125,30 @@ def status(ctx: click.Context, as_json: bool) -> None:
             state = "healthy" if p.healthy else ("running, unhealthy" if p.pid else "down")
             pid = str(p.pid) if p.pid else "-"
             click.echo(f"{p.name:<{width}} {state:<20} pid {pid:<8} {p.detail}")
+        _echo_gateways(stack)
     sys.exit(0 if all(p.healthy for p in parts) else 1)
+
+
+def _echo_gateways(stack) -> None:
+    """The gateway members as the control plane sees them (docs/scale-out.md): also the ones on
+    other hosts, which ``stack.status()`` cannot see. Nothing when the control plane does not answer."""
+    from ..control.client import ControlClient, ControlError, resolve
+
+    try:
+        url, token = resolve(stack.run_dir)
+        body = ControlClient(url, token, timeout=5)._call("GET", "/api/v1/gateways")
+    except (ControlError, OSError, ValueError):
+        return
+    members = body.get("gateways") or []
+    if not members:
+        return
+    click.echo(f"gateways (policy version {body.get('version')}, sync every {body.get('sync_s')}s):")
+    width = max(8, *(len(m["id"]) for m in members))
+    for m in members:
+        seen = "-" if m.get("age_s") is None else f"{m['age_s']:.1f}s ago"
+        where = "control plane's own" if m.get("local") else "kvgate gateway"
+        click.echo(f"  {m['id']:<{width}} {m['state']:<10} version {str(m.get('version') or '-'):<5} "
+                   f"seen {seen:<11} {m['listen']}  ({where})")
 
 
 COMMANDS = [validate, up, down, status]

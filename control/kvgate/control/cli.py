@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import ssl
 import sys
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
     from ..batch.records import batch_secret
     from ..nginxctl import Nginx
     from ..policy import load_policy, parse_policy_text
+    from ..policy.model import is_loopback_listen
+    from ..policy.tls import resolve_tls
     from ..rundir import RunDir
     from ..web import create_app
     from .plane import ApplyError, ControlPlane
@@ -63,7 +66,7 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
         for issue in exc.issues:
             click.echo(f"  {issue}", err=True)
         sys.exit(2)
-    url = redis_url or (policy.redis.url if policy else None)
+    url = redis_url or (policy.redis.client_url if policy else None)
     if not url:
         raise click.UsageError("pass --policy or --redis-url (where the state of a previous run is)")
     store = Store(url)
@@ -77,18 +80,32 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
     # the Batch API worker signs its lines with a key derived from the same token (X-Kvgate-Batch)
     plane = ControlPlane(store, Nginx(nginx_prefix or rd.nginx_prefix, batch_secret=batch_secret(token)),
                          run_dir=run_dir, external_gateway=external_gateway)
+    if policy is not None:
+        control_cfg = policy.control
+    else:
+        latest = store.latest_version()
+        # control.tls's relative paths: the folder recorded with the version
+        control_cfg = (resolve_tls(parse_policy_text(latest["yaml"]), latest.get("files_base")).control
+                       if latest else None)
     if listen is None:
-        if policy is not None:
-            listen = policy.control.listen
-        else:
-            latest = store.latest_version()
-            listen = parse_policy_text(latest["yaml"]).control.listen if latest else "127.0.0.1:9090"
+        listen = control_cfg.listen if control_cfg is not None else "127.0.0.1:9090"
+    tls = control_cfg.tls if control_cfg is not None else None
+    if tls is None and not is_loopback_listen(listen):
+        click.echo(f"warning: the admin API and page listen on {listen}, beyond loopback, in plain HTTP: the admin "
+                   "token and the session cookie cross the network in clear (set control.tls, docs/tls.md; "
+                   "control.require_tls refuses such a policy)", err=True)
     # bind first: a busy port must fail before nginx is started or Redis is written
     try:
         host, port = split_host_port(listen)
-        server = waitress.create_server(create_app(plane, token), host=host, port=port,
-                                        threads=threads, ident="kvgate-control")
-    except (OSError, ValueError) as exc:
+        if tls is not None:  # waitress has no TLS: cheroot serves the same app (kvgate.control.https)
+            from .https import TlsServer
+
+            server = TlsServer(create_app(plane, token), host, port, threads, tls)
+            plane.tls_watch.control_server = server  # renewals: reloaded from the tick
+        else:
+            server = waitress.create_server(create_app(plane, token), host=host, port=port,
+                                            threads=threads, ident="kvgate-control")
+    except (OSError, ValueError, ssl.SSLError) as exc:
         click.echo(f"error: cannot listen on {listen}: {getattr(exc, 'strerror', None) or exc}", err=True)
         sys.exit(1)
     try:
@@ -106,12 +123,13 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
     def _stop(signum, _frame):
         # server.close() only closes the listening socket: waitress's loop keeps running while a
         # client holds an idle keep-alive connection. SystemExit raised here, in the main thread
-        # that runs the loop, ends server.run() (waitress catches it and stops its workers).
+        # that runs the loop, ends server.run() (waitress catches it and stops its workers;
+        # cheroot's kvgate.control.https.TlsServer.run likewise, giving a busy worker 2 s).
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    click.echo(f"kvgate control on http://{listen} (policy version "
+    click.echo(f"kvgate control on {'https' if tls else 'http'}://{listen} (policy version "
                f"{(plane.policy_version or {}).get('version')}, {len(plane.nodes)} node(s))", err=True)
     try:
         server.run()

@@ -30,14 +30,16 @@ class ControlError(RuntimeError):
 def resolve(run_dir: Path, url: str | None = None, token: str | None = None) -> tuple[str, str]:
     """The control plane URL and admin token to use.
 
-    URL: ``url``, else ``$KVGATE_CONTROL_URL``, else the running stack's ``control.listen``,
-    else ``http://127.0.0.1:9090``. Token: ``token``, else ``$KVGATE_TOKEN``, else
-    ``<run_dir>/admin.token``. Raises ControlError when no token can be found.
+    URL: ``url``, else ``$KVGATE_CONTROL_URL``, else the running stack's ``control.listen``
+    (``https://`` with ``control.tls``), else ``http://127.0.0.1:9090``. Token: ``token``, else
+    ``$KVGATE_TOKEN``, else ``<run_dir>/admin.token``. Raises ControlError when no token can be
+    found.
     """
     rd = RunDir(run_dir)
     url = url or os.environ.get("KVGATE_CONTROL_URL")
     if not url:
         listen = "127.0.0.1:9090"
+        running = None
         try:
             running = rd.load_running_policy()
             if running is not None:
@@ -45,6 +47,8 @@ def resolve(run_dir: Path, url: str | None = None, token: str | None = None) -> 
         except Exception:  # an unreadable running policy must not hide the default
             pass
         url = http_url(listen)
+        if running is not None and running.control.tls is not None:
+            url = "https" + url.removeprefix("http")
     token = token or os.environ.get("KVGATE_TOKEN")
     if not token:
         path = rd.token_file
@@ -56,18 +60,60 @@ def resolve(run_dir: Path, url: str | None = None, token: str | None = None) -> 
     return url.rstrip("/"), token
 
 
+def verify_for(url: str, run_dir: Path | None = None) -> str | bool:
+    """What to trust for the control plane at ``url`` (docs/tls.md): ``$KVGATE_CA_FILE``, else the
+    certificate of the running stack's ``control.tls`` (``run_dir``, default the user's) when
+    ``url`` is its address and the certificate is self-signed, else True (requests' default
+    store; ``$REQUESTS_CA_BUNDLE`` replaces it)."""
+    from .https import base_url, client_verify
+
+    if os.environ.get("KVGATE_CA_FILE"):
+        return os.environ["KVGATE_CA_FILE"]
+    try:
+        from ..rundir import default_run_dir
+
+        running = RunDir(run_dir or default_run_dir()).load_running_policy()
+    except Exception:  # noqa: BLE001 - an unreadable running policy leaves the default store
+        return True
+    if running is None or running.control.tls is None or base_url(running.control) != url.rstrip("/"):
+        return True
+    return client_verify(running.control)
+
+
+def _ssl_reason(exc: Exception) -> str:
+    """OpenSSL's reason (``certificate verify failed: unable to get local issuer certificate``)
+    out of requests' nested SSLError text."""
+    text = str(exc)
+    start = text.find("certificate verify failed")
+    return text[start:].split("'")[0].split(")")[0] if start >= 0 else type(exc).__name__
+
+
 class ControlClient:
     """``ControlClient(url, token)``; every method returns the decoded JSON or raises ControlError."""
 
-    def __init__(self, url: str, token: str, timeout: float = 30.0):
+    def __init__(self, url: str, token: str, timeout: float = 30.0, verify: str | bool | None = None,
+                 run_dir: Path | None = None):
+        """``verify``: requests' ``verify`` for an ``https://`` URL (a CA bundle's path, or True);
+        None: :func:`verify_for` (``$KVGATE_CA_FILE``, the run dir's self-signed certificate, or the
+        default store)."""
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.s = requests.Session()
+        # per request, not Session.verify: requests lets $REQUESTS_CA_BUNDLE override a session's
+        # verify (psf/requests#3829), never a request's
+        self.verify: str | bool = True
+        if self.url.startswith("https://"):
+            self.verify = verify_for(self.url, run_dir) if verify is None else verify
         self.s.headers["Authorization"] = f"Bearer {token}"
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
-            resp = self.s.request(method, self.url + path, timeout=kwargs.pop("timeout", self.timeout), **kwargs)
+            resp = self.s.request(method, self.url + path, timeout=kwargs.pop("timeout", self.timeout),
+                                  verify=self.verify, **kwargs)
+        except requests.exceptions.SSLError as exc:
+            raise ControlError(f"control plane at {self.url}: SSLError, its certificate is not trusted or not valid "
+                               f"({_ssl_reason(exc)}); set KVGATE_CA_FILE to the CA bundle that signed it "
+                               "(docs/tls.md)") from None
         except requests.RequestException as exc:
             raise ControlError(f"control plane at {self.url} not reachable: {type(exc).__name__} "
                                "(is it running? `kvgate status`)") from None

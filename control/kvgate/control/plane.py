@@ -107,9 +107,16 @@ class ControlPlane:
         self.stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.warmups = Warmups(self)
+        from .tlswatch import TlsWatch
+
+        self.tls_watch = TlsWatch(self)  # renewed TLS files: reloaded from the tick (docs/tls.md)
         self.usage: Any = None
         """The usage rollups' consumer (:class:`kvgate.costs.rollup.UsageConsumer`), from :meth:`start`."""
         self._batch_api: Any = None
+        from .gateways import GatewayRegistry
+
+        self.gateways = GatewayRegistry(self)
+        """The gateway tier's members: statuses, lost/in-sync, the apply's wait (:mod:`kvgate.control.gateways`)."""
 
     # ================================================================ lifecycle
     def start(self, policy_text: str | None, source: str, files_base: str | None = None) -> None:
@@ -129,6 +136,7 @@ class ControlPlane:
         self._store_watch.instance = self.store.try_instance()
         self._thread = threading.Thread(target=self._loop, name="kvgate-reconciler", daemon=True)
         self._thread.start()
+        self.gateways.start()
         from ..costs.rollup import UsageConsumer
 
         # the usage rollups (issue 13): its own thread and Redis connection, reading the snapshot
@@ -360,13 +368,15 @@ class ControlPlane:
                 self.apply(health_step(self.nodes, HealthInputs(r.probes, reports, r.reports is not None,
                                                                 self._store_watch.in_grace(now, self.policy), self.gateway_ok,
                                                                 self.passive), self.policy, now))
-            gateway_inflight = self._gateway["inflight"] if self.gateway_ok else None
+            # every live gateway member's requests in flight, not only this plane's own gateway's
+            gateway_inflight = self.gateways.sum_inflight(self._gateway["inflight"]) if self.gateway_ok else None
             self.apply(drain_step(self.nodes, DrainInputs(gateway_inflight, r.engine_inflight), self.policy, now))
             if r.reports is not None:  # ramps, overload and weights decide on the reports: they wait for Redis
                 self.apply(ramp_step(self.nodes, self.counts(), reports, self.policy, now))
                 self.apply(overload_step(self.nodes, self.pools, reports, self.policy, now))
                 self.update_targets(now, reports)
             self.try_apply()
+            self.tls_watch.check()
             self.metrics.observe(self.nodes.values(), reports, now)
 
     # =============================================================== actions
@@ -431,8 +441,21 @@ class ControlPlane:
                      base_version: int | None = None, files_base: str | None = None) -> dict[str, Any]:
         """Validate and apply a policy as one transaction (:func:`kvgate.control.versions.apply_policy`):
         ``{"version", "result", "changed"}``. Raises StaleVersion, PolicyError, NodeHasWork, ApplyError,
-        StoreError."""
-        return versions.apply_policy(self, text, source, force, base_version, files_base)
+        StoreError.
+
+        With several gateway members (``gateways:``) the answer also has ``"gateways"``: the wait for
+        every live member to run the new version, up to ``control.gateway_sync_timeout_s``
+        (:meth:`kvgate.control.gateways.GatewayRegistry.wait_version`: ``complete``, ``laggards``,
+        ``lost``), taken after the plane's locks are released."""
+        return self._with_gateways(versions.apply_policy(self, text, source, force, base_version, files_base))
+
+    def _with_gateways(self, result: dict[str, Any]) -> dict[str, Any]:
+        """``result`` with the gateway members' wait (policies with one member: unchanged)."""
+        policy = self.snapshot.policy
+        if policy is None or len(policy.gateway_members()) < 2:
+            return result
+        return {**result, "gateways": self.gateways.wait_version(result.get("version"),
+                                                                 policy.control.gateway_sync_timeout_s)}
 
     def invalidate_cache(self, source: str) -> dict[str, Any]:
         """Retire every cached response (:func:`kvgate.control.versions.invalidate_cache`):
@@ -455,8 +478,9 @@ class ControlPlane:
 
     def rollback(self, version: int, by: str | None = None, force: bool = False) -> dict[str, Any]:
         """Apply a stored version again, as a new version (:func:`kvgate.control.versions.rollback`).
-        Raises NotFound, PolicyError, NodeHasWork, ApplyError, StoreError."""
-        return versions.rollback(self, version, by, force)
+        Raises NotFound, PolicyError, NodeHasWork, ApplyError, StoreError. Waits for the gateway
+        members as :meth:`apply_policy` does."""
+        return self._with_gateways(versions.rollback(self, version, by, force))
 
     # ================================================================= views
     def node_view(self, node_id: str, reports: Mapping[str, dict[str, Any]] | None = None) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-from .. import keys
+from .. import keys, redisconn
 
 PREFIX = "kvgate:control:"
 VERSIONS_KEY = PREFIX + "versions"
@@ -45,16 +45,62 @@ class Store:
     """Redis-backed state of one control plane.
 
     Args:
-        url: ``redis://HOST:PORT/DB``.
+        url: ``redis://HOST:PORT/DB`` or the Sentinel form of :mod:`kvgate.redisconn`
+            (``redis+sentinel://H:P,.../MASTER/DB``, the policy's ``redis.client_url``).
         timeout_s: socket timeout of every call.
+
+    Through Sentinel, every save of a node record, a pool's state, a named value or an applied
+    policy version ends with ``WAIT 1 WAIT_MS`` on the same connection (one pipeline), so the save
+    returns once a replica holds it: a failover that promotes that replica keeps it
+    (docs/sentinel.md, for what this does not cover).
     """
+
+    WAIT_MS = 500
+    """How long a save waits for one replica's acknowledgement (ms) before it returns anyway (logged)."""
+    WAIT_SHORT_MS = 10
+    NO_REPLICA_S = 10.0
+    """After a save no replica acknowledged, the saves of the next NO_REPLICA_S wait only
+    WAIT_SHORT_MS (an acknowledged one ends this at once)."""
 
     def __init__(self, url: str, timeout_s: float = 2.0):
         self.url = url
-        self.r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                      decode_responses=True, health_check_interval=30)
+        self.r = redisconn.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                    decode_responses=True, health_check_interval=30)
         self._down_until = 0.0
         self._last_error = ""
+        self._wait = redisconn.is_sentinel(url)
+        self.unreplicated = 0
+        """Saves that no replica acknowledged within WAIT_MS (through Sentinel only)."""
+        self._unreplicated_logged = 0.0
+        self._no_replica_until = 0.0
+
+    def _save(self, what: str, pipe) -> list[Any]:
+        """Execute ``pipe`` (the writes of one logical save), with ``WAIT 1 WAIT_MS`` appended
+        through Sentinel; returns the writes' replies."""
+        if not self._wait:
+            return self._call(what, pipe.execute)
+        # with no replica acknowledging lately (it is down or resyncing), a save waits only
+        # WAIT_SHORT_MS: the control plane must not slow to one save per WAIT_MS meanwhile
+        short = time.monotonic() < self._no_replica_until
+        pipe.execute_command("WAIT", 1, self.WAIT_SHORT_MS if short else self.WAIT_MS)
+        replies = self._call(what, pipe.execute)
+        if replies[-1]:
+            self._no_replica_until = 0.0
+        else:
+            self._no_replica_until = time.monotonic() + self.NO_REPLICA_S
+            self.unreplicated += 1
+            if time.monotonic() - self._unreplicated_logged > 10:
+                self._unreplicated_logged = time.monotonic()
+                log.warning("redis %s: %s: no replica acknowledged within %d ms (%d such saves so far): a failover "
+                            "now could lose it", self.url, what, self.WAIT_MS, self.unreplicated)
+        return replies[:-1]
+
+    def _save_one(self, what: str, method: str, *args, **kwargs) -> Any:
+        if not self._wait:
+            return self._call(what, getattr(self.r, method), *args, **kwargs)
+        pipe = self.r.pipeline(transaction=False)
+        getattr(pipe, method)(*args, **kwargs)
+        return self._save(what, pipe)[0]
 
     BREAKER_S = 2.0
     """After a failed call, calls fail at once for this long: an unreachable Redis (a network
@@ -93,7 +139,7 @@ class Store:
         return out
 
     def put_node(self, record: dict[str, Any]) -> None:
-        self._call("write node", self.r.set, PREFIX + f"node:{record['id']}", json.dumps(record, sort_keys=True))
+        self._save_one("write node", "set", PREFIX + f"node:{record['id']}", json.dumps(record, sort_keys=True))
 
     def put_nodes(self, records: list[dict[str, Any]]) -> None:
         """:meth:`put_node` of several records in one round trip (a pipeline, no transaction):
@@ -103,7 +149,7 @@ class Store:
         pipe = self.r.pipeline(transaction=False)
         for record in records:
             pipe.set(PREFIX + f"node:{record['id']}", json.dumps(record, sort_keys=True))
-        self._call("write nodes", pipe.execute)
+        self._save("write nodes", pipe)
 
     def delete_node(self, node_id: str) -> None:
         self._call("delete node", self.r.delete, PREFIX + f"node:{node_id}", PREFIX + f"report:{node_id}")
@@ -166,7 +212,7 @@ class Store:
         return {n: json.loads(v) for n, v in zip(names, values) if v}
 
     def put_pool(self, name: str, record: dict[str, Any]) -> None:
-        self._call("write pool", self.r.set, PREFIX + f"pool:{name}", json.dumps(record, sort_keys=True))
+        self._save_one("write pool", "set", PREFIX + f"pool:{name}", json.dumps(record, sort_keys=True))
 
     # ------------------------------------------------------------ events
     def add_event(self, kind: str, message: str, node: str | None = None, pool: str | None = None,
@@ -241,7 +287,7 @@ class Store:
         return self._call(f"read {name}", self.r.get, PREFIX + name)
 
     def set(self, name: str, value: str) -> None:
-        self._call(f"write {name}", self.r.set, PREFIX + name, value)
+        self._save_one(f"write {name}", "set", PREFIX + name, value)
 
     def revoke_session(self, sid: str, ttl_s: int) -> None:
         """Mark an admin page session as signed out (until it would have expired anyway)."""
@@ -260,10 +306,12 @@ class Store:
         seq = int(self._call("number version", self.r.incr, PREFIX + "version_seq"))
         version = {"version": seq, "yaml": yaml_text, "digest": digest, "source": source, "applied_at": time.time(),
                    "files_base": files_base}
-        pipe = self.r.pipeline()
+        # WAIT inside MULTI returns at once: through Sentinel the push and the trim go without a
+        # transaction (a trim after another writer's push still keeps the newest `keep`)
+        pipe = self.r.pipeline(transaction=not self._wait)
         pipe.rpush(VERSIONS_KEY, json.dumps(version))
         pipe.ltrim(VERSIONS_KEY, -keep, -1)
-        self._call("write version", pipe.execute)
+        self._save("write version", pipe)
         return version
 
     def versions(self) -> list[dict[str, Any]]:

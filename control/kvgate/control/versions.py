@@ -23,6 +23,7 @@ from ..fleet.records import NodeRecord, PoolState, new_record, node_records
 from ..nginxctl import NginxError
 from ..policy import PolicyError, PolicyIssue, parse_policy_text
 from ..policy.model import Policy
+from ..policy.tls import relative_tls, resolve_tls, tls_problems
 from . import probes
 from .exceptions import ApplyError, NodeHasWork, NotFound, StaleVersion
 from .store import StoreError
@@ -56,7 +57,8 @@ def load(plane: ControlPlane, policy_text: str | None, source: str, files_base: 
 
     plane.knowledge_floor = load_floor(plane)
     if latest and latest["yaml"] == policy_text:
-        policy = parse_policy_text(policy_text, f"version {latest['version']}")
+        policy = resolve_tls(parse_policy_text(policy_text, f"version {latest['version']}"),
+                             latest.get("files_base") or files_base)
         plane.apply(adopt(plane, policy, policy_text))
         plane.policy_version = latest
         plane.files_base = latest.get("files_base") or files_base
@@ -141,7 +143,10 @@ def check_restart_fields(current: Policy, policy: Policy) -> None:
     if policy.control.listen != current.control.listen:
         issues.append(PolicyIssue("control.listen", "the running control plane cannot move to another address; "
                                   "apply this policy with `kvgate up` (it restarts the control plane)"))
-    if policy.redis.url != current.redis.url:
+    if (policy.control.tls is None) != (current.control.tls is None):
+        issues.append(PolicyIssue("control.tls", "the running control plane cannot switch between HTTP and HTTPS; "
+                                  "apply this policy with `kvgate up` (it restarts the control plane)"))
+    if policy.redis.client_url != current.redis.client_url:
         issues.append(PolicyIssue("redis.url", "the running control plane keeps its state in the current Redis; "
                                   "apply this policy with `kvgate up` (it restarts the control plane)"))
     if issues:
@@ -155,10 +160,12 @@ def files_base_of(plane: ControlPlane, files_base: str | None) -> str | None:
     return files_base or plane.files_base
 
 
-def check_files(policy: Policy, files_base: str | None) -> None:
+def check_files(policy: Policy, files_base: str | None) -> Policy:
     """The pools' ``semantic.static_answers`` files read and validated (relative names against
-    ``files_base``), as ``kvgate validate`` does. Raises PolicyError naming
-    ``pools[i].semantic.static_answers`` and the file's row or field."""
+    ``files_base``), and the ``gateway.tls`` / ``control.tls`` pairs (:mod:`kvgate.policy.tls`), as
+    ``kvgate validate`` does. Returns ``policy`` with its relative TLS paths made absolute
+    (:func:`kvgate.policy.tls.resolve_tls`). Raises PolicyError naming
+    ``pools[i].semantic.static_answers`` and the file's row or field, or the TLS field."""
     from pathlib import Path
 
     from ..policy.loader import static_answers_issues
@@ -173,8 +180,11 @@ def check_files(policy: Policy, files_base: str | None) -> None:
                               "or name the file by an absolute path") for i in unplaced]
     else:
         issues = static_answers_issues(policy, Path(files_base or "/"))
+    policy = resolve_tls(policy, files_base)
+    issues += [PolicyIssue(p, r) for p, r in tls_problems(policy)]  # gateway.tls, control.tls (docs/tls.md)
     if issues:
         raise PolicyError("policy", issues)
+    return policy
 
 
 def validate(plane: ControlPlane, text: str, files_base: str | None = None) -> Policy:
@@ -187,7 +197,7 @@ def validate(plane: ControlPlane, text: str, files_base: str | None = None) -> P
     policy = parse_policy_text(text, "policy")
     if plane.policy is not None:
         check_restart_fields(plane.policy, policy)
-    check_files(policy, files_base_of(plane, files_base))
+    policy = check_files(policy, files_base_of(plane, files_base))
     try:
         plane.nginx.test(render(policy, plane.nginx.lua_dir, plane.applied))
     except (NginxError, ValueError) as exc:
@@ -272,7 +282,8 @@ def apply_policy(plane: ControlPlane, text: str, source: str, force: bool = Fals
             if plane.policy is not None:
                 check_restart_fields(plane.policy, policy)
             files_dir = files_base_of(plane, files_base)
-            check_files(policy, files_dir)
+            tls_relative = relative_tls(policy)
+            policy = check_files(policy, files_dir)  # its relative TLS paths made absolute
         except PolicyError as exc:
             plane.metrics.policy_applies.labels("invalid").inc()
             plane.event(EventKind.POLICY_REJECTED, f"policy from {source} rejected: "
@@ -318,8 +329,8 @@ def apply_policy(plane: ControlPlane, text: str, source: str, force: bool = Fals
                 message += f" (forced while it still had work: {work_text(forced[ev.node])})"
             plane.event(ev.kind, message, ev.node, ev.pool, **ev.data)
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-        relative = any(p.semantic.static_answers and not os.path.isabs(p.semantic.static_answers)
-                       for p in policy.pools)
+        relative = tls_relative or any(p.semantic.static_answers and not os.path.isabs(p.semantic.static_answers)
+                                       for p in policy.pools)
         try:
             latest = plane.store.latest_version()
             # the same text from another folder names other files: a new version

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from .. import redisconn
 from ..fleet import states as st
 from ..fleet.changes import Change, Save, event, transition
 from ..fleet.events import EventKind
@@ -87,14 +88,14 @@ class Warmups:
             if rec is None or plane.policy is None or rec.warmup is None:
                 return
             pool = next(p for p in plane.policy.pools if p.name == rec.pool)
-            url, redis_url, live = rec.url, plane.policy.redis.url, rec.warmup
+            url, redis_url, live = rec.url, plane.policy.redis.client_url, rec.warmup
 
         def progress(done: int, total: int) -> None:
             live.progress = [done, total]  # shown live on the node's views
 
         try:
             # hot prefixes are in the gateway's Redis (the policy's), which `--redis-url` may not be
-            log_redis = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+            log_redis = redisconn.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
             try:
                 result = run_warmup(url, pool, log_redis, progress=progress)
             finally:

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import redis
 
-from .. import keys
+from .. import keys, redisconn
 from .baseline import RoundRobinBaseline
 
 log = logging.getLogger("kvgate.costs")
@@ -193,7 +193,7 @@ class UsageConsumer:
     """Reads the request log into the rollups; :meth:`start` / :meth:`stop` run it in a thread.
 
     Args:
-        url: Redis URL (the policy's ``redis.url``).
+        url: Redis URL (the policy's ``redis.client_url``: plain or through Sentinel).
         state: returns ``(policy, serving)``: the policy in force (None: not yet) and the
             serving node count per pool (None: every listed node). Called once per batch,
             so it must not block (the control plane passes its snapshot).
@@ -204,8 +204,8 @@ class UsageConsumer:
 
     def __init__(self, url: str, state: Callable[[], tuple[Any, dict[str, int] | None]],
                  consumer: str = CONSUMER, batch: int = BATCH, block_ms: int = BLOCK_MS):
-        self.r = redis.Redis.from_url(url, decode_responses=True, socket_timeout=block_ms / 1000 + 5,
-                                      socket_connect_timeout=2)
+        self.r = redisconn.from_url(url, decode_responses=True, socket_timeout=block_ms / 1000 + 5,
+                                    socket_connect_timeout=2)
         self.state = state
         self.consumer = consumer
         self.batch = batch

@@ -27,6 +27,11 @@ class EventKind(StrEnum):
     RELOAD = "reload"
     """The gateway's static config was (re)loaded or nginx started (``result``)."""
     RELOAD_FAILED = "reload_failed"
+    GATEWAY_LOST = "gateway_lost"
+    """A gateway member's supervisor stopped reporting for 3 sync intervals (``gateway``, ``age_s``):
+    it is not waited for by applies until it reports again (docs/scale-out.md)."""
+    GATEWAY_BACK = "gateway_back"
+    """A lost (or never seen) gateway member reports again (``gateway``, ``version``)."""
     RUNTIME_PUSHED = "runtime_pushed"
     """The runtime (weights, node states, balancers, cache namespace) went to the running
     gateway without a reload (:meth:`kvgate.nginxctl.Nginx.apply` answered ``"pushed"``)."""

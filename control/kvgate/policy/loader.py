@@ -128,6 +128,7 @@ def cross_check(policy: Policy) -> list[PolicyIssue]:
         clash("redis.url", policy.redis.host, policy.redis.port)
     chost, _, cport = policy.control.listen.rpartition(":")
     clash("control.listen", chost, int(cport))
+    issues += _member_issues(policy, clash)
     pools: dict[str, int] = {}
     models: dict[str, str] = {}
     node_ids: dict[str, str] = {}
@@ -153,6 +154,41 @@ def cross_check(policy: Policy) -> list[PolicyIssue]:
         issues.append(PolicyIssue("health.passive.window_s", f"{passive.window_s:g}s is shorter than two reconciler "
                                   f"rounds (2 × control.tick_s = {2 * policy.control.tick_s:g}s): the share would be "
                                   "judged on a single scrape of the gateway"))
+    return issues
+
+
+def _member_issues(policy: Policy, clash: Any) -> list[PolicyIssue]:
+    """The ``gateways:`` members (docs/scale-out.md): unique ids and client listeners, internal
+    listeners unique among the members of one host, the first at ``gateway.listen`` (the control
+    plane's own nginx), the others clear of every other listener (``clash``)."""
+    issues: list[PolicyIssue] = []
+    if not policy.gateways:
+        return issues
+    first = policy.gateways[0]
+    for name in ("listen", "internal_listen"):
+        if getattr(first, name) != getattr(policy.gateway, name):
+            issues.append(PolicyIssue(f"gateways[0].{name}", f"the first member is the gateway the control plane "
+                                      f"drives itself: its {name} must be gateway.{name} "
+                                      f"({getattr(policy.gateway, name)}), or leave gateway.{name} out"))
+    ids: dict[str, int] = {}
+    listens: dict[str, int] = {}
+    internals: dict[tuple[str, str], int] = {}
+    for i, m in enumerate(policy.gateways):
+        if m.id in ids:
+            issues.append(PolicyIssue(f"gateways[{i}].id", f"gateway id {m.id!r} is already used by gateways[{ids[m.id]}]"))
+        ids.setdefault(m.id, i)
+        host, _, port = m.listen.rpartition(":")
+        if m.listen in listens:
+            issues.append(PolicyIssue(f"gateways[{i}].listen", f"{m.listen} is also gateways[{listens[m.listen]}].listen"))
+        elif i > 0:
+            clash(f"gateways[{i}].listen", host, int(port))
+        listens.setdefault(m.listen, i)
+        # an internal listener is loopback: two members on one host must not share one
+        where = (host, m.internal_listen)
+        if where in internals:
+            issues.append(PolicyIssue(f"gateways[{i}].internal_listen", f"{m.internal_listen} is also "
+                                      f"gateways[{internals[where]}].internal_listen on host {host}"))
+        internals.setdefault(where, i)
     return issues
 
 
@@ -200,9 +236,10 @@ def parse_policy_text(text: str, source: str = "<policy>") -> Policy:
 def load_policy(path: str | Path, files_base: str | Path | None = None) -> Policy:
     """Read and validate a policy file. Raises :class:`PolicyError` (also for an unreadable file).
 
-    ``files_base``: the folder relative file names in the policy (``static_answers``) are read
-    from; default the policy file's own (a copy elsewhere, such as the run dir's, passes the
-    original's)."""
+    ``files_base``: the folder relative file names in the policy (``static_answers``,
+    ``gateway.tls`` and ``control.tls``) are read from; default the policy file's own (a copy
+    elsewhere, such as the run dir's, passes the original's). The policy returned names its TLS
+    files by absolute paths."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -212,6 +249,10 @@ def load_policy(path: str | Path, files_base: str | Path | None = None) -> Polic
         raise PolicyError(str(p), [PolicyIssue("", f"not UTF-8 text (byte {exc.start}): is this a policy YAML file?")]) from None
     policy = parse_policy_text(text, str(p))
     issues = static_answers_issues(policy, Path(files_base) if files_base is not None else p.parent)
+    from .tls import resolve_tls, tls_problems  # gateway.tls, control.tls: readable PEM files, a matching key
+
+    policy = resolve_tls(policy, Path(files_base) if files_base is not None else p.parent)  # relative paths
+    issues += [PolicyIssue(path, reason) for path, reason in tls_problems(policy)]
     if issues:
         raise PolicyError(str(p), issues)
     return policy

@@ -66,10 +66,56 @@ def _loopback_listen(value: str) -> str:
     return value
 
 
+TlsProtocol = Literal["TLSv1.2", "TLSv1.3"]
+
+
+def is_loopback_listen(listen: str) -> bool:
+    """Whether a ``HOST:PORT`` listen address is reachable from this machine only (a loopback IP
+    or ``localhost``; a wildcard or any other host faces a network)."""
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class TlsConfig(_Strict):
+    """TLS on a listener (docs/tls.md): PEM files, read when the policy is applied and again
+    whenever their content changes (a renewed certificate is loaded by the confirmed reload)."""
+
+    certificate: str = Field(
+        ..., min_length=1, description="The PEM certificate chain (the server's certificate first, then its "
+        "intermediates): an absolute path, or one relative to the policy file's folder (as `static_answers`). "
+        "Read by nginx's master (root) and by `kvgate control`; a renewal in place (same path, new content) is "
+        "loaded within a reconcile tick or two.",
+    )
+    key: str = Field(..., min_length=1, description="The PEM private key of `certificate` (unencrypted; mode 0600 "
+                     "is fine: only the master and the control plane read it); absolute, or relative to the policy "
+                     "file's folder.")
+    protocols: list[TlsProtocol] = Field(
+        ["TLSv1.2", "TLSv1.3"], min_length=1, description="TLS versions offered (nginx `ssl_protocols`).",
+    )
+
+    @field_validator("certificate", "key")
+    @classmethod
+    def _check_path(cls, v: str) -> str:
+        # a relative path is made absolute against the policy file's folder before anything reads
+        # it (kvgate.policy.tls.resolve_tls): nginx would read it from its own prefix
+        if any(c.isspace() or c in ";{}\"'" for c in v):
+            raise ValueError(f"{v!r}: white space, quotes, ';', '{{' and '}}' are not allowed in the path")
+        return v
+
+
 class GatewayConfig(_Strict):
     """The nginx data path."""
 
     listen: str = Field("127.0.0.1:8080", description="HOST:PORT nginx listens on for client traffic.")
+    tls: TlsConfig | None = Field(
+        None, description="Serve HTTPS on `listen` with this certificate and key (HTTP/1.1; the internal "
+        "listener stays plain, on loopback). null: plain HTTP. See docs/tls.md.",
+    )
     internal_listen: str = Field(
         "127.0.0.1:9080",
         description="Loopback-only address of the gateway's internal server, where the control plane pushes the "
@@ -79,6 +125,13 @@ class GatewayConfig(_Strict):
         "`<prefix>/conf/push.secret`. Give each gateway on one machine its own port.",
     )
     worker_processes: int = Field(2, ge=1, le=64, description="nginx worker processes.")
+    load_sync_s: float = Field(
+        0.05, ge=0.01, le=5,
+        description="With several `gateways:` members, how often each gateway publishes its in-flight prefill per "
+        "node to Redis and reads the others' (seconds; one small script call per round). The load bound of "
+        "chash_bounded/prefix and the admission slots add the other gateways' figures, at most about two rounds "
+        "old (docs/scale-out.md). Unused with one gateway.",
+    )
     worker_connections: int = Field(4096, ge=64, description="nginx worker_connections.")
     max_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024,
@@ -197,8 +250,26 @@ class GatewayConfig(_Strict):
 class RedisConfig(_Strict):
     """The Redis instance for the response cache (and, later, state and rate limits)."""
 
-    url: str = Field("redis://127.0.0.1:6390/0", description="redis://HOST:PORT/DB of the Redis to use.")
+    url: str = Field(
+        "redis://127.0.0.1:6390/0",
+        description="redis://HOST:PORT/DB of the Redis to use. With `sentinels` set, clients connect to the master "
+        "Sentinel names instead and only /DB is used from here (and, with `managed`, HOST:PORT is where `kvgate up` "
+        "starts the first master; docs/sentinel.md).")
     timeout_ms: int = Field(200, ge=1, le=10_000, description="Connect/read timeout the data path allows Redis (ms).")
+    sentinels: list[str] = Field(
+        default_factory=list, max_length=16,
+        description="HOST:PORT of each Redis Sentinel watching the master (several: any one that answers is "
+        "enough to find it). Empty: a plain Redis at `url`. Set: the gateway and the Python side ask Sentinel for "
+        "the current master of `master_name` and follow a failover (docs/sentinel.md); with `managed`, `kvgate up` "
+        "starts the master at `url`'s HOST:PORT, one replica at PORT+1 and one redis-sentinel per address here.")
+    master_name: str = Field(
+        "kvgate", pattern=r"^[A-Za-z0-9._-]{1,64}$",
+        description="The name the sentinels monitor the master under (`sentinel monitor <name> ...`); letters, "
+        "digits, `.`, `_`, `-`. Used only with `sentinels`.")
+    sentinel_timeout_ms: int = Field(
+        250, ge=1, le=10_000,
+        description="Connect/read timeout for one question to one sentinel (ms), on the data path and the Python "
+        "side. Used only with `sentinels`.")
     pool_size: int = Field(64, ge=1, description="Keepalive connections per nginx worker.")
     managed: bool = Field(
         True, description="`kvgate up` starts a private redis-server on this address when true."
@@ -223,6 +294,23 @@ class RedisConfig(_Strict):
         if not db.isdigit():
             raise ValueError(f"database must be a number, got {db!r}")
         return v
+
+    @field_validator("sentinels")
+    @classmethod
+    def _check_sentinels(cls, v: list[str]) -> list[str]:
+        for item in v:
+            _host_port(item)
+        if len(set(v)) != len(v):
+            raise ValueError("each sentinel address once")
+        return v
+
+    @property
+    def client_url(self) -> str:
+        """The one connection string for Python clients (:func:`kvgate.redisconn.from_url`): ``url``
+        without sentinels, else ``redis+sentinel://H1:P1,H2:P2/<master_name>/<db>``."""
+        if not self.sentinels:
+            return self.url
+        return f"redis+sentinel://{','.join(self.sentinels)}/{self.master_name}/{self.db}"
 
     @property
     def host(self) -> str:
@@ -482,8 +570,9 @@ class FailoverConfig(_Strict):
 
 class AdmissionConfig(_Strict):
     """The pool's admission queue at the gateway (docs/tenants.md, Admission queue): while every
-    serving node has `node_capacity` requests in flight (counted by the gateway, all workers), a
-    request waits here instead of piling into the engines' queues."""
+    serving node has `node_capacity` requests in flight (counted by the gateway, all workers, and with
+    several `gateways:` across all of them through Redis every `gateway.load_sync_s`), a request waits here instead of
+    piling into the engines' queues."""
 
     node_capacity: int = Field(
         ge=1, strict=True, description="Requests in flight per serving node before requests queue "
@@ -606,15 +695,44 @@ class ControlConfig(_Strict):
     tick_s: float = Field(1.0, gt=0, le=60, description="How often the control plane re-evaluates states and weights (seconds).")
     events_kept: int = Field(10000, ge=100, description="Events kept in Redis (oldest dropped first).")
     versions_kept: int = Field(100, ge=2, description="Applied policy versions kept for rollback.")
+    gateway_sync_s: float = Field(
+        1.0, gt=0, le=60, description="The sync interval of the gateway members beyond the first (`gateways:`, "
+        "docs/scale-out.md): each `kvgate gateway` supervisor asks the control plane for its config at least this "
+        "often (a change reaches it at once, through a long poll of this length) and reports its status; a "
+        "member silent for 3 intervals is `lost`.",
+    )
+    gateway_sync_timeout_s: float = Field(
+        15.0, ge=0, le=600, description="How long a policy apply (`kvgate apply`, `PUT /api/v1/policy`) waits for "
+        "every live gateway member to run the new version before it answers with the laggards named (the policy "
+        "is applied either way: a laggard follows when it catches up). 0: do not wait.",
+    )
     admin_cookie_secure: bool = Field(
         False, description="Mark the admin page's session cookie `Secure` (sent over HTTPS only): set it when a "
-        "TLS-terminating proxy serves the control plane. Off by default: the page is plain HTTP on loopback."
+        "TLS-terminating proxy serves the control plane. Off by default: the page is plain HTTP on loopback. "
+        "With `tls` the cookie is `Secure` whatever this says."
+    )
+    tls: TlsConfig | None = Field(
+        None, description="Serve the admin page, the API and `/metrics` over HTTPS with this certificate and key "
+        "(`kvgate control` then runs cheroot instead of waitress; docs/tls.md). null: plain HTTP, which a "
+        "`listen` beyond loopback only warns about unless `require_tls` is set.",
+    )
+    require_tls: bool = Field(
+        False, description="Refuse a `listen` beyond loopback without `tls` (the admin token and the session "
+        "cookie would cross the network in clear). Off by default: such a policy is applied with a warning at "
+        "`kvgate control`'s start, as before.",
     )
 
     @field_validator("listen")
     @classmethod
     def _check_listen(cls, v: str) -> str:
         return _host_port(v)
+
+    @model_validator(mode="after")
+    def _check_require_tls(self) -> "ControlConfig":
+        if self.require_tls and self.tls is None and not is_loopback_listen(self.listen):
+            raise ValueError(f"listen {self.listen} is beyond loopback and `tls` is not set (require_tls is on): "
+                             "set control.tls, or listen on 127.0.0.1")
+        return self
 
 
 class PassiveHealthConfig(_Strict):
@@ -803,6 +921,40 @@ class TenantConfig(_Strict):
 DEFAULT_TENANT = "default"
 """The tenant of a keyless request under ``gateway.auth: optional``."""
 
+LOCAL_GATEWAY = "local"
+"""The id of the one gateway member of a policy without ``gateways:``."""
+
+
+class GatewayMember(_Strict):
+    """One gateway instance (its own nginx) of a policy that lists several (docs/scale-out.md). Every
+    other setting comes from `gateway:`."""
+
+    id: str = Field(..., description="The member's id (lowercase letters, digits, `-`, `_`): its label on the "
+                    "Fleet page, in `kvgate status` and `kvgate_control_gateway_up{gateway}`, and the `--id` of its "
+                    "`kvgate gateway` supervisor.")
+    listen: str = Field(..., description="HOST:PORT of this member's client listener. The first member is the "
+                        "one the control plane drives itself: its `listen` is `gateway.listen` (filled in when "
+                        "`gateway.listen` is not written).")
+    internal_listen: str = Field(..., description="This member's loopback-only internal listener (runtime pushes, "
+                                 "`/metrics`), on its own host: 127.0.0.1:PORT, [::1]:PORT or unix:/path.")
+
+    @field_validator("id")
+    @classmethod
+    def _check_id(cls, v: str) -> str:
+        if not _ID_RE.match(v):
+            raise ValueError("gateway id must be lowercase letters, digits, '-' or '_' (max 63)")
+        return v
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, v: str) -> str:
+        return _host_port(v)
+
+    @field_validator("internal_listen")
+    @classmethod
+    def _check_internal_listen(cls, v: str) -> str:
+        return _loopback_listen(v)
+
 
 class Policy(_Strict):
     """A whole routing policy file."""
@@ -826,6 +978,56 @@ class Policy(_Strict):
         default_factory=list, description="Tenants (with `gateway.auth` optional or required); "
         "`optional` needs one with id `default`.",
     )
+    gateways: list[GatewayMember] | None = Field(
+        None, min_length=1, description="The gateway instances sharing this policy (docs/scale-out.md): ids and "
+        "addresses unique, every other setting from `gateway:`. The first is driven by the control plane itself "
+        "(`gateway.listen`/`internal_listen` are its addresses); each other runs `kvgate gateway --id ID` on its "
+        "host. Absent: one member, id `local`, at `gateway.listen`.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_member_listens(cls, data: Any) -> Any:
+        """`gateway.listen`/`internal_listen` default to the first member's, so every part that reads
+        `gateway.listen` (the control plane's own nginx, `kvgate up`, the batch worker) means that member."""
+        if not isinstance(data, dict) or not isinstance(data.get("gateways"), list) or not data["gateways"]:
+            return data
+        first = data["gateways"][0]
+        gw = data.get("gateway", {})
+        if not isinstance(first, dict) or not isinstance(gw, dict):
+            return data
+        filled = dict(gw)
+        for name, check in (("listen", _host_port), ("internal_listen", _loopback_listen)):
+            if name not in filled and isinstance(first.get(name), str):
+                try:
+                    filled[name] = check(first[name])
+                except ValueError:
+                    pass  # reported once, at gateways[0]
+        return {**data, "gateway": filled}
+
+    def gateway_members(self) -> list[GatewayMember]:
+        """The gateway members in policy order: ``gateways``, or one member :data:`LOCAL_GATEWAY` at
+        ``gateway.listen``/``internal_listen``. The first is the control plane's own."""
+        if self.gateways:
+            return list(self.gateways)
+        return [GatewayMember(id=LOCAL_GATEWAY, listen=self.gateway.listen, internal_listen=self.gateway.internal_listen)]
+
+    def member_policy(self, member_id: str) -> "Policy":
+        """A copy for one member: ``gateway.listen``/``internal_listen`` replaced by the member's (what
+        :func:`kvgate.render.render` renders for that member's nginx). Raises KeyError for an unknown id."""
+        for m in self.gateway_members():
+            if m.id == member_id:
+                if m.listen == self.gateway.listen and m.internal_listen == self.gateway.internal_listen:
+                    return self
+                gw = self.gateway.model_copy(update={"listen": m.listen, "internal_listen": m.internal_listen})
+                return self.model_copy(update={"gateway": gw})
+        raise KeyError(member_id)
+
+    def member_of_listen(self, listen: str) -> GatewayMember:
+        """The member whose client listener is ``listen`` (the first when none is: a policy rendered for
+        an address that is no member's, e.g. a benchmark's own port)."""
+        members = self.gateway_members()
+        return next((m for m in members if m.listen == listen), members[0])
 
     @property
     def public_metrics(self) -> bool:

@@ -47,6 +47,7 @@ def semantic_command(ctx: click.Context, policy_path: Path, listen: str | None, 
 
     from kvgate.policy import PolicyError, load_policy
 
+    from .. import redisconn
     from .embed import EmbeddingError
     from .service import SemanticCache, serve
 
@@ -57,8 +58,8 @@ def semantic_command(ctx: click.Context, policy_path: Path, listen: str | None, 
         raise click.ClickException(str(exc)) from None
     run_dir = (ctx.obj or {}).get("run_dir")
     listen = listen or listen_of(policy, run_dir)
-    client = redis.Redis.from_url(redis_url or policy.redis.url, socket_timeout=2, socket_connect_timeout=2,
-                                  health_check_interval=30)
+    client = redisconn.from_url(redis_url or policy.redis.client_url, socket_timeout=2, socket_connect_timeout=2,
+                                health_check_interval=30)
     models = {p.semantic.model for p in policy.pools} or {"all-MiniLM-L6-v2-int8"}
     try:
         cache = SemanticCache(client, index=policy.semantic_service.index,

@@ -32,6 +32,13 @@ PUT      /api/v1/policy                         apply (422 bad policy, 500 nginx
 GET      /api/v1/policy/versions                applied versions, newest first
 POST     /api/v1/policy/versions/<n>/rollback   apply version n again (``?force=true`` as for PUT)
 GET      /api/v1/events                         newest first; ``?node=&kind=&limit=&before=``
+GET      /api/v1/gateways                       every gateway member: version, in sync, last seen, lost
+                                               (docs/scale-out.md)
+GET      /api/v1/gateways/<id>/config           what member <id> must run: policy version and text,
+                                               runtime, ``tag``; ``?known=<tag>&wait=<s>``: long poll
+                                               until the tag changes (at most ``control.gateway_sync_s``)
+POST     /api/v1/gateways/<id>/status           a ``kvgate gateway`` supervisor's status (version,
+                                               runtime digest, nginx pid/health, in-flight per node)
 GET      /api/v1/tenants                        the policy's tenants, ``gateway.auth``, key counts
 GET      /api/v1/keys                           API keys (records, never secrets); ``?tenant=``
 POST     /api/v1/keys                           ``{"tenant", "name"}`` → 201 ``{"key", "secret"}``: the
@@ -299,6 +306,34 @@ def revoke_api_key(key_id: str):
     services().event(EventKind.APIKEY_REVOKED, f"API key {rec.id} of tenant {rec.tenant} revoked",
                      key=rec.id, tenant=rec.tenant)
     return jsonify({"key": rec.to_json()})
+
+
+# --------------------------------------------------------------- gateways
+@bp.get("/gateways")
+def gateways():
+    plane = services()
+    return jsonify({"gateways": plane.gateways.view(), "sync_s": plane.gateways.sync_s(),
+                    "version": (plane.policy_version or {}).get("version")})
+
+
+@bp.get("/gateways/<member_id>/config")
+def gateway_config(member_id: str):
+    registry = services().gateways
+    try:
+        wait = float(request.args.get("wait", 0) or 0)
+    except ValueError:
+        raise ValueError("wait must be a number of seconds") from None
+    # a long poll holds one server thread: never longer than the sync interval
+    wait = max(0.0, min(wait, registry.sync_s()))
+    return jsonify(registry.wait_config(member_id, request.args.get("known") or None, wait))
+
+
+@bp.post("/gateways/<member_id>/status")
+def gateway_status(member_id: str):
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise ValueError("expected a JSON object")
+    return jsonify(services().gateways.report(member_id, body))
 
 
 # ----------------------------------------------------------------- events

@@ -60,6 +60,7 @@ local pool_waiting = node_load.pool_waiting
 local take = load.take
 local move = load.move
 local estimate = load.estimate
+local of = load.of
 local ipairs = ipairs
 local tonumber = tonumber
 local huge = math.huge
@@ -119,10 +120,12 @@ function _M.new(pool, prt, prev)
     local W = 0
     for _, node in ipairs(b.nodes) do
         node.load_key = load.key(pool.name, node.id)
+        node.remote_key = load.remote_key(node.load_key)
         W = W + node.w
     end
     b.W = W
     b.total_key = load.total_key(pool.name)
+    b.remote_total_key = load.remote_key(b.total_key)
     b.avg = prev and prev.avg or 0
     -- the walk's state, reused by every pick of this worker (no table per request)
     b.walk = { pool = pool.name, tried = nil, held = nil, cost = 0, total = 0, c = c, W = W, sat = b.sat,
@@ -177,7 +180,7 @@ local function skip(node, s)
         return true
     end
     local d = dict()
-    local l = d and d:get(node.load_key) or 0
+    local l = d and of(d, node.load_key, node.remote_key) or 0
     if q then
         l = l + q * s.avg
     end
@@ -227,7 +230,7 @@ function _M.pick(b, st, tried)
     s.avg = b.avg
     s.c = st.c or b.c
     local d = dict()
-    s.total = (d and d:get(b.total_key) or 0) + pool_waiting(b.pool) * b.avg
+    s.total = (d and of(d, b.total_key, b.remote_total_key) or 0) + pool_waiting(b.pool) * b.avg
     local node, home = find(b.ring, point, skip, s)
     local why = s.why
     s.tried = nil

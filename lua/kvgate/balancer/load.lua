@@ -29,6 +29,7 @@ local _M = {}
 
 _M.DICT = "kvgate_load"
 _M.NAME = "kvgate_upstream_load_tokens"
+_M.REMOTE_NAME = "kvgate_upstream_load_tokens_remote"
 -- about 4 bytes of English text per BPE token (OpenAI's rule of thumb); the simulator's
 -- words run 5-8 bytes, so its estimate is high by a constant factor, which the bound ignores
 _M.BYTES_PER_TOKEN = 4
@@ -52,6 +53,26 @@ end
 
 function _M.total_key(pool)
     return pool .. SEP
+end
+
+-- The other gateways' figures (kvgate.gwload, summed through Redis): under "<key>\tr" in the
+-- same dict, for a node's key and a pool's total. remote: whether the balancers add them
+-- (a config with other gateway members; set by kvgate.balancer.init).
+_M.remote = false
+
+--- remote_key(key) -> the dict key of the other gateways' sum for a node's or total's key
+function _M.remote_key(key)
+    return key .. "\tr"
+end
+
+--- of(d, key, rkey) -> this gateway's count under key plus, with other gateways, their sum
+-- under rkey (0 when absent or lapsed)
+function _M.of(d, key, rkey)
+    local l = d:get(key) or 0
+    if _M.remote then
+        l = l + (d:get(rkey) or 0)
+    end
+    return l
 end
 
 --- estimate(bytes) -> estimated prompt tokens (>= 1) of a request body of `bytes` bytes
@@ -147,6 +168,23 @@ function _M.lines(cfg)
         end
     end
     return metrics.gauge_lines(_M.NAME, values)
+end
+
+--- remote_lines(cfg) -> sample lines of kvgate_upstream_load_tokens_remote (the other
+-- gateways' sums), or nil with one gateway
+function _M.remote_lines(cfg)
+    if not _M.remote then
+        return nil
+    end
+    local values = {}
+    local d = dict()
+    for pname, pool in pairs(cfg and cfg.pools or {}) do
+        for _, node in ipairs(pool.nodes or {}) do
+            values[metrics.labels({ pool = pname, node = node.id })] =
+                d and d:get(_M.remote_key(_M.key(pname, node.id))) or 0
+        end
+    end
+    return metrics.gauge_lines(_M.REMOTE_NAME, values)
 end
 
 return _M

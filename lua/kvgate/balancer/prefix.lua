@@ -202,7 +202,7 @@ function _M.pick(b, st, tried)
     end
     local nodes = b.nodes
     local d = load_dict()
-    local total = (d and d:get(b.total_key) or 0) + pool_waiting(b.pool) * b.avg
+    local total = (d and load.of(d, b.total_key, b.remote_total_key) or 0) + pool_waiting(b.pool) * b.avg
     local c, W, sat, avg, cost0, ct = b.c, b.W, b.sat, b.avg, st.cost or 1, b.chunk_tokens
     local best, top, top_why = 0, nil, nil
     -- the deepest and second deepest match among the candidates: the deepest holds the
@@ -228,7 +228,7 @@ function _M.pick(b, st, tried)
             if q and q > sat then
                 why = "queue"
             else
-                local l = d and d:get(node.load_key) or 0
+                local l = d and load.of(d, node.load_key, node.remote_key) or 0
                 if q then
                     l = l + q * avg
                 end

@@ -14,6 +14,8 @@ from typing import Any
 
 import redis
 
+from ... import redisconn
+
 from ...control import states as st
 from ...fleet.weights import WEIGHT_SCALE
 
@@ -146,6 +148,23 @@ def _progress(plane: Any, n: dict[str, Any], now: float) -> tuple[str, bool]:
     return "; ".join(t for t in (text, note) if t), False
 
 
+def gateway_rows(plane: Any) -> list[dict[str, Any]]:
+    """The gateway members (docs/scale-out.md) as the Fleet page's table shows them: id, listen,
+    version, in sync, last seen, lost; ``[]`` for a policy with one member (the page as before)."""
+    views = plane.gateways.view()
+    if len(views) < 2:
+        return []
+    rows = []
+    for g in views:
+        state = g["state"]
+        rows.append({"id": g["id"], "listen": g["listen"], "local": g["local"],
+                     "version": "—" if g["version"] is None else str(g["version"]), "state": state,
+                     "class": "bad" if g["lost"] else ("" if g["in_sync"] else "warn"),
+                     "seen": "now" if g["local"] and not g["lost"] else _ago(g["age_s"]),
+                     "error": (g.get("error") or "").splitlines()[0][:200] if g.get("error") else ""})
+    return rows
+
+
 def fleet_rows(plane: Any, now: float | None = None) -> list[dict[str, Any]]:
     """One dict per node for the Fleet table: ``cells`` (display text by column), ``classes``
     (CSS class by column: ``bad``/``warn``/``cold``), ``title`` (tooltips), ``actions``
@@ -261,7 +280,7 @@ class TrafficCache:
     def redis_for(self, url: str) -> redis.Redis:
         client = self._clients.get(url)
         if client is None:
-            client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2, decode_responses=True)
+            client = redisconn.from_url(url, socket_timeout=2, socket_connect_timeout=2, decode_responses=True)
             self._clients[url] = client
         return client
 
@@ -276,10 +295,10 @@ class TrafficCache:
         key = id(policy)  # the figures depend on the policy only (the homes are logged)
         with self._lock:
             if not (self._key == key and time.monotonic() - self._at < TRAFFIC_CACHE_S):
-                r = self.redis_for(policy.redis.url)
-                if self._tracker is None or self._tracker_url != policy.redis.url:
+                r = self.redis_for(policy.redis.client_url)
+                if self._tracker is None or self._tracker_url != policy.redis.client_url:
                     self._tracker = TrafficTracker(window_s=TRAFFIC_WINDOW_S)  # its first update backfills
-                    self._tracker_url = policy.redis.url
+                    self._tracker_url = policy.redis.client_url
                 value: dict[str, Any] = {"pools": None, "cache": None, "error": None}
                 try:
                     self._tracker.update(r, policy)
@@ -296,7 +315,7 @@ class TrafficCache:
                 ns = plane.namespace_in_force
                 if version != ns or time.monotonic() - at >= self.CACHE_STATS_S:
                     try:
-                        stats = read_cache_stats(self.redis_for(policy.redis.url), ns)
+                        stats = read_cache_stats(self.redis_for(policy.redis.client_url), ns)
                         self._stats = (time.monotonic(), ns, stats)
                     except redis.RedisError as exc:
                         value["error"] = f"the gateway's Redis ({policy.redis.url}) cannot be read: {exc}"

@@ -45,7 +45,7 @@ from ..auth import actor, csrf, is_token, require_admin, sign_in, sign_out, sign
 from ..errors import error_page, json_error, lookup, wants_json
 from ..state import services, state
 from .editor import annotate, diff_lines
-from .fleet import TRAFFIC_WINDOW_S, _ago, _pct, _when, fleet_rows, pool_lines
+from .fleet import TRAFFIC_WINDOW_S, _ago, _pct, _when, fleet_rows, gateway_rows, pool_lines
 
 MAX_POLICY_BYTES = 1024 * 1024
 """The largest policy the editor takes (the API's limit too: kvgate.web.api)."""
@@ -91,7 +91,8 @@ def _cookie_policy():
     g.admin_via = None
     policy = services().policy
     if policy is not None:
-        current_app.config["SESSION_COOKIE_SECURE"] = policy.control.admin_cookie_secure
+        # served over HTTPS itself (control.tls): the cookie never goes out in clear either
+        current_app.config["SESSION_COOKIE_SECURE"] = policy.control.admin_cookie_secure or policy.control.tls is not None
 
 
 @bp.after_app_request
@@ -175,7 +176,8 @@ def fleet():
     plane = services()
     rows = fleet_rows(plane)
     return render_template("admin/fleet.html", rows=rows, pools=pool_lines(plane, _traffic(), _states(rows)),
-                           actions=ACTIONS, traffic_error=_traffic().get(plane).get("error"), page="fleet")
+                           actions=ACTIONS, traffic_error=_traffic().get(plane).get("error"), page="fleet",
+                           gateways=gateway_rows(plane))
 
 
 @bp.get("/fleet.json")
@@ -188,7 +190,7 @@ def fleet_json():
               "errors": _pct(p["error_ratio"], 1), "serving": p["serving"], "nodes": len(p["nodes"])}
              for p in pool_lines(plane, _traffic(), _states(rows))]
     return jsonify({"rows": rows, "pools": pools, "at": time.time(),
-                    "gateway_ok": plane.gateway_ok,
+                    "gateway_ok": plane.gateway_ok, "gateways": gateway_rows(plane),
                     "policy_version": (plane.policy_version or {}).get("version")})
 
 
