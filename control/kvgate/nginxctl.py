@@ -111,6 +111,9 @@ class Nginx:
         """Whether ``listen`` serves HTTPS (``gateway.tls``): the health digest is read over TLS then."""
         self.digest: str | None = None
         self.internal_listen: str | None = None
+        self.control_url: str | None = None
+        """Where this gateway's /v1/files and /v1/batches reach the control plane; None: its
+        ``control.listen`` on this host (a member's supervisor sets its ``--control`` URL)."""
 
     # ----------------------------------------------------------------- helpers
     def _dirs(self) -> None:
@@ -188,7 +191,7 @@ class Nginx:
         """The static files for ``policy`` with this gateway's push secret and batch secret (see
         :func:`kvgate.render.render`)."""
         return render(policy, self.lua_dir, push_secret_sha256=dynamic.secret_sha256(self.push_secret()),
-                      batch_secret=self.batch_secret, run_dir=self.prefix.parent)
+                      batch_secret=self.batch_secret, run_dir=self.prefix.parent, control_url=self.control_url)
 
     def apply(self, policy: Policy, runtime: Runtime | None = None, start: bool = True) -> str:
         """Make nginx run ``policy`` with the control plane's ``runtime`` (None: the policy as written).

@@ -44,6 +44,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Any
 
 import jinja2
@@ -546,7 +547,8 @@ def upstream_pools(policy: Policy) -> list[dict[str, Any]]:
 
 
 def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None, *,
-           push_secret_sha256: str = "", batch_secret: str = "", run_dir: Path | None = None) -> dict[str, str]:
+           push_secret_sha256: str = "", batch_secret: str = "", run_dir: Path | None = None,
+           control_url: str | None = None) -> dict[str, str]:
     """Render the gateway's static config for ``policy``.
 
     Args:
@@ -576,8 +578,11 @@ def render(policy: Policy, lua_dir: Path, runtime: Runtime | None = None, *,
     gw = policy.gateway
     conf = _env().get_template("nginx.conf.j2").render(
         gw=gw,
-        control_addr=connect_address(policy.control.listen),
-        control_scheme="https" if policy.control.tls else "http",  # /v1/files, /v1/batches (docs/tls.md)
+        # where /v1/files and /v1/batches go (docs/tls.md): the control plane at control.listen on
+        # this host, or, for a gateway member on another host, the URL its supervisor reaches it at
+        control_addr=urlsplit(control_url).netloc if control_url else connect_address(policy.control.listen),
+        control_scheme=(urlsplit(control_url).scheme if control_url
+                        else "https" if policy.control.tls else "http"),
         files_max_body_bytes=policy.batch.max_file_bytes + MULTIPART_SLACK_BYTES,
         public_metrics=policy.public_metrics,
         pools=upstream_pools(policy),

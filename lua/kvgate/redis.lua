@@ -58,16 +58,19 @@ local opts_of = setmetatable({}, { __mode = "k" })
 -- (ngx.now() of the last question), resolving, cfg (the last config that used it) }; per worker
 local masters = {}
 
--- the first sentinel that names a master wins -> host, port | nil, err
-local function ask_sentinels(cfg)
+-- the first sentinel that names a master wins, asked from `first` on (a rotation: after the
+-- master a sentinel named could not be reached, the next question starts at the next sentinel,
+-- so one stale or minority sentinel cannot keep a dead address cached) -> host, port | nil, err
+local function ask_sentinels(cfg, first)
     local sentinel = require "nginx.redis.sentinel"
     if not redis.sentinel then
         redis.add_commands("sentinel") -- (what nginx.redis.connector does when it loads)
     end
     local errs = {}
     local list = cfg.sentinels
-    for i = 1, #list do
-        local s = list[i]
+    local n = #list
+    for k = 0, n - 1 do
+        local s = list[((first or 1) - 1 + k) % n + 1]
         local red = redis:new()
         red:set_timeout(cfg.sentinel_timeout_ms or 250)
         local ok, err = red:connect(s.host, s.port, { pool = "sentinel:" .. s.host .. ":" .. s.port })
@@ -117,7 +120,7 @@ function _M.resolve(cfg)
         return m.host ~= nil, "being resolved"
     end
     m.resolving = true
-    local ok, host, port = pcall(ask_sentinels, cfg)
+    local ok, host, port = pcall(ask_sentinels, cfg, m.first)
     m.resolving = false
     m.last = ngx.now()
     if not ok or not host then
@@ -148,11 +151,6 @@ local function suspect(cfg)
     end
 end
 
-local function readonly(cfg, msg)
-    if cfg.sentinels and msg and find(tostring(msg), "READONLY", 1, true) then
-        suspect(cfg)
-    end
-end
 
 local function tick(premature)
     if premature then
@@ -165,20 +163,36 @@ local function tick(premature)
     end
 end
 
+local function resolve_later(premature, cfg)
+    if not premature then
+        _M.resolve(cfg)
+    end
+end
+
 local function connect_sentinel(cfg)
     local m = masters[cfg.master_name]
-    if not m or not m.host or (m.stale and ngx.now() - m.last >= RESOLVE_MIN_S) then
+    if not m or not m.host then
+        -- no master known yet in this worker (its first call): the one question a request waits for
         _M.resolve(cfg)
         m = masters[cfg.master_name]
         if not m.host then
             return nil, "connect: no master " .. cfg.master_name .. " known from the sentinels"
         end
+    elseif m.stale and not m.resolving and ngx.now() - (m.last or 0) >= RESOLVE_MIN_S then
+        -- a suspect master: asked again in the background (at most every RESOLVE_MIN_S per
+        -- worker); this call goes on with the address known, and fails fast if it is gone
+        m.last = ngx.now()
+        ngx.timer.at(0, resolve_later, cfg)
     end
     m.cfg = cfg
     local red = redis:new()
     red:set_timeout(cfg.timeout_ms)
     local ok, err = red:connect(m.host, m.port, m.opts)
     if not ok then
+        if not m.stale then
+            -- the named master cannot be reached: the next question starts at the next sentinel
+            m.first = (m.first or 1) % #cfg.sentinels + 1
+        end
         m.stale = true
         return nil, "connect: " .. tostring(err)
     end
@@ -298,12 +312,20 @@ function _M.pipeline(cfg, cmds)
     end
     release(red, cfg)
     if cfg.sentinels then
-        -- a master demoted under us answers writes with READONLY: ask the sentinels again
+        -- a master demoted under us answers writes with READONLY: ask the sentinels again;
+        -- a round trip without one clears a suspicion (the sentinels may be the ones away)
+        local demoted = false
         for i = 1, #replies do
             local r = replies[i]
-            if type(r) == "table" and r[1] == false then
-                readonly(cfg, r[2])
+            if type(r) == "table" and r[1] == false and find(tostring(r[2]), "READONLY", 1, true) then
+                demoted = true
             end
+        end
+        local m = masters[cfg.master_name]
+        if demoted then
+            suspect(cfg)
+        elseif m then
+            m.stale = false
         end
     end
     return replies

@@ -105,3 +105,18 @@ def test_two_gateways_policy() -> None:
     assert p.gateway.debug_headers
     demo = load_policy(REPO / "policies" / "demo.yaml")
     assert p.pools == demo.pools and p.tenants == demo.tenants
+
+
+def test_a_member_sends_the_batch_api_to_the_control_plane_it_reaches() -> None:
+    """/v1/files and /v1/batches are proxied to the control plane: on the plane's host at
+    control.listen, on a member's host at its supervisor's --control URL (compose: gateway-b
+    reaches the plane at http://gateway:9090, nothing listens on its own loopback)."""
+    p = parse_policy_text(members('  - {id: a, listen: "127.0.0.1:29180", internal_listen: "127.0.0.1:29280"}\n'
+                                  '  - {id: b, listen: "127.0.0.1:29181", internal_listen: "127.0.0.1:29281"}\n')
+                          + "control: {listen: 0.0.0.0:9090}\n")
+    own = render(p, default_lua_dir())["conf/nginx.conf"]
+    assert own.count("proxy_pass http://127.0.0.1:9090;") == 2
+    member = render(p.member_policy("b"), default_lua_dir(), control_url="http://gateway:9090")["conf/nginx.conf"]
+    assert member.count("proxy_pass http://gateway:9090;") == 2 and "127.0.0.1:9090" not in member
+    tls = render(p.member_policy("b"), default_lua_dir(), control_url="https://ctl.example:9443/")["conf/nginx.conf"]
+    assert tls.count("proxy_pass https://ctl.example:9443;") == 2

@@ -86,16 +86,14 @@ class ApiKeys:
         key_id = "key_" + secrets.token_hex(6)
         rec = ApiKey(id=key_id, tenant=tenant, name=name, created=round(time.time(), 3), last_used=None,
                      revoked=False)
-        r = self.store.r
-
-        def write() -> None:
-            pipe = r.pipeline(transaction=True)
-            pipe.hset(keys.apikey_key(d), mapping={"id": key_id, "tenant": tenant, "name": name,
-                                                   "created": f"{rec.created:.3f}", "revoked": "0"})
-            pipe.hset(keys.APIKEY_INDEX, key_id, d)
-            pipe.execute()
-
-        self.store._call("create api key", write)
+        # one pipeline, and through Sentinel followed by WAIT (Store.save): a key printed once must
+        # survive a failover that promotes the replica (no MULTI: WAIT inside it returns at once;
+        # the record is written before its index entry, which is what lists it)
+        pipe = self.store.r.pipeline(transaction=False)
+        pipe.hset(keys.apikey_key(d), mapping={"id": key_id, "tenant": tenant, "name": name,
+                                               "created": f"{rec.created:.3f}", "revoked": "0"})
+        pipe.hset(keys.APIKEY_INDEX, key_id, d)
+        self.store.save("create api key", pipe)
         return rec, secret
 
     def list(self, tenant: str | None = None) -> list[ApiKey]:
@@ -128,11 +126,12 @@ class ApiKeys:
         """Mark the key revoked (idempotent) -> its record. Raises :class:`UnknownKey`."""
         d = self._digest_of(key_id)
         k = keys.apikey_key(d)
-        r = self.store.r
-        # only an existing record: HSET on a missing hash would create a half one
-        done = self.store._call("revoke api key", r.eval,
-                                "if redis.call('EXISTS', KEYS[1]) == 1 then "
-                                "redis.call('HSET', KEYS[1], 'revoked', '1') return 1 end return 0", 1, k)
+        # only an existing record: HSET on a missing hash would create a half one. Through Sentinel
+        # the revocation is WAITed for (Store.save): a failover must not bring a revoked key back
+        pipe = self.store.r.pipeline(transaction=False)
+        pipe.eval("if redis.call('EXISTS', KEYS[1]) == 1 then "
+                  "redis.call('HSET', KEYS[1], 'revoked', '1') return 1 end return 0", 1, k)
+        done = self.store.save("revoke api key", pipe)[0]
         if not done:
             raise UnknownKey(f"no API key {key_id!r}")
         return self.get(key_id)

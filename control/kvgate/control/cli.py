@@ -87,6 +87,10 @@ def control_command(ctx: click.Context, policy_path: Path | None, redis_url: str
         # control.tls's relative paths: the folder recorded with the version
         control_cfg = (resolve_tls(parse_policy_text(latest["yaml"]), latest.get("files_base")).control
                        if latest else None)
+    # each member beyond the first holds one server thread in its long poll (docs/scale-out.md)
+    members_policy = policy if policy is not None else (parse_policy_text(latest["yaml"]) if latest else None)
+    if members_policy is not None:
+        threads += len(members_policy.gateway_members()) - 1
     if listen is None:
         listen = control_cfg.listen if control_cfg is not None else "127.0.0.1:9090"
     tls = control_cfg.tls if control_cfg is not None else None

@@ -154,9 +154,10 @@ class GatewayRegistry:
         return policy.gateway_members() if policy is not None else []
 
     # ------------------------------------------------------------ config
-    def current_digest(self) -> str | None:
-        """The runtime digest every member must run now (None before a policy)."""
-        snap = self.plane.snapshot
+    def current_digest(self, snap: Any = None) -> str | None:
+        """The runtime digest every member must run now, or as of ``snap`` (a plane snapshot; None
+        before a policy)."""
+        snap = snap if snap is not None else self.plane.snapshot
         if snap.policy is None:
             return None
         cached = self._digest_cache
@@ -166,12 +167,12 @@ class GatewayRegistry:
         self._digest_cache = (snap.policy, snap.applied, digest)
         return digest
 
-    def config(self, member_id: str) -> dict[str, Any]:
+    def config(self, member_id: str, snap: Any = None) -> dict[str, Any]:
         """What member ``member_id`` must run: ``{"id", "version", "tag", "policy" (YAML text),
         "files_base", "runtime" (:func:`runtime_fields`), "runtime_digest", "listen",
         "internal_listen", "members", "sync_s", "first"}``. ``tag``: changes whenever the version or
         the runtime does. Raises NotFound (no such member, or no policy yet)."""
-        snap = self.plane.snapshot
+        snap = snap if snap is not None else self.plane.snapshot
         if snap.policy is None or snap.policy_version is None:
             raise NotFound("no policy is applied yet")
         members = snap.policy.gateway_members()
@@ -180,7 +181,7 @@ class GatewayRegistry:
             raise NotFound(f"no gateway {member_id!r} in the policy's gateways: "
                            f"{', '.join(m.id for m in members)}")
         version = snap.policy_version.get("version")
-        digest = self.current_digest()
+        digest = self.current_digest(snap)  # the same snapshot as the runtime below: tag and body agree
         return {"id": member.id, "version": version, "tag": f"{version}:{digest}",
                 "policy": snap.policy_version.get("yaml"), "files_base": snap.policy_version.get("files_base"),
                 "runtime": runtime_fields(snap.applied), "runtime_digest": digest,
@@ -193,9 +194,12 @@ class GatewayRegistry:
         poll: a change reaches a supervisor within :data:`WAIT_POLL_S`, not a sync interval)."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
-            out = self.config(member_id)
-            if not known or out["tag"] != known or time.monotonic() >= deadline or self.plane.stopping.is_set():
-                return out
+            snap = self.plane.snapshot
+            # the tag of this snapshot (the digest is cached per snapshot); the body only on return
+            tag = (f"{snap.policy_version.get('version')}:{self.current_digest(snap)}"
+                   if snap.policy is not None and snap.policy_version is not None else None)
+            if (not known or tag != known or time.monotonic() >= deadline or self.plane.stopping.is_set()):
+                return self.config(member_id, snap)
             time.sleep(WAIT_POLL_S)
 
     # ------------------------------------------------------------ status
@@ -272,13 +276,21 @@ class GatewayRegistry:
             self.up.labels(view["id"]).set(0 if view["lost"] else 1)
             self.in_sync_gauge.labels(view["id"]).set(1 if view["in_sync"] else 0)
 
-    def sum_inflight(self, local: Mapping[str, float]) -> dict[str, float]:
+    def sum_inflight(self, local: Mapping[str, float]) -> dict[str, float] | None:
         """Node id → requests in flight at every gateway: ``local`` (the plane's own gateway's
         ``kvgate_upstream_inflight``) plus each live member's last reported count (at most a sync
-        interval old). A drain waits for these (and the engine's count) to reach 0."""
+        interval old). A drain waits for these (and the engine's count) to reach 0. None (unknown:
+        a drain waits) while a live member does not run the runtime in force yet: until it does it
+        may still send new requests to a node being drained. A lost member is left out: what it
+        still sends reaches the engine, whose own count the drain also waits for."""
         out = dict(local)
+        digest = self.current_digest()
+        current = {m.id for m in self._members()[1:]}
         with self._lock:
-            reported = [s.get("inflight") for m, s in self._status.items() if m not in self._lost]
+            live = [s for m, s in self._status.items() if m in current and m not in self._lost]
+            if any(s.get("runtime_digest") != digest for s in live):
+                return None
+            reported = [s.get("inflight") for s in live]
         for counts in reported:
             for node_id, n in (counts or {}).items():
                 out[node_id] = out.get(node_id, 0.0) + float(n)

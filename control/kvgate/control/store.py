@@ -95,6 +95,12 @@ class Store:
                             "now could lose it", self.url, what, self.WAIT_MS, self.unreplicated)
         return replies[:-1]
 
+    def save(self, what: str, pipe) -> list[Any]:
+        """Execute ``pipe`` (a pipeline of ``self.r``, no transaction) as one logical save: through
+        Sentinel followed by ``WAIT 1 WAIT_MS`` on the same connection. Returns its replies.
+        Raises StoreError."""
+        return self._save(what, pipe)
+
     def _save_one(self, what: str, method: str, *args, **kwargs) -> Any:
         if not self._wait:
             return self._call(what, getattr(self.r, method), *args, **kwargs)
@@ -152,7 +158,7 @@ class Store:
         self._save("write nodes", pipe)
 
     def delete_node(self, node_id: str) -> None:
-        self._call("delete node", self.r.delete, PREFIX + f"node:{node_id}", PREFIX + f"report:{node_id}")
+        self._save_one("delete node", "delete", PREFIX + f"node:{node_id}", PREFIX + f"report:{node_id}")
 
     # ----------------------------------------------------------- reports
     def put_report(self, node_id: str, report: dict[str, Any], received_at: float) -> None:
@@ -291,7 +297,7 @@ class Store:
 
     def revoke_session(self, sid: str, ttl_s: int) -> None:
         """Mark an admin page session as signed out (until it would have expired anyway)."""
-        self._call("revoke session", self.r.set, PREFIX + "revoked_session:" + sid, "1", ex=max(1, int(ttl_s)))
+        self._save_one("revoke session", "set", PREFIX + "revoked_session:" + sid, "1", ex=max(1, int(ttl_s)))
 
     def session_revoked(self, sid: str) -> bool:
         return bool(self._call("read session", self.r.exists, PREFIX + "revoked_session:" + sid))

@@ -50,6 +50,8 @@ log = logging.getLogger("kvgate.gateway")
 
 RETRY_S = 1.0
 """Pause after the control plane did not answer (seconds)."""
+REFUSED_RETRY_S = 10.0
+"""Pause after the control plane refused the supervisor (401/404) while nginx serves (seconds)."""
 
 
 class SupervisorError(RuntimeError):
@@ -78,6 +80,8 @@ class Supervisor:
         self.sync_override = sync_s
         self.sync_s = sync_s or 1.0
         self.nginx = Nginx(prefix, lua_dir=lua_dir, batch_secret=batch_secret(token))
+        # the Batch API's routes of this member go to the control plane where this host reaches it
+        self.nginx.control_url = self.url
         self.http = requests.Session()
         self.http.headers["Authorization"] = f"Bearer {token}"
         self.verify = verify
@@ -195,9 +199,15 @@ class Supervisor:
             try:
                 self.round()
             except SupervisorError as exc:
-                log.error("%s", exc)
-                code = 2
-                break
+                if self.nginx.pid() is None:
+                    log.error("%s", exc)
+                    code = 2
+                    break
+                # a refusal (a replaced token, a member id the applied policy no longer lists)
+                # must not take a serving gateway down: it keeps serving what it runs, and asks
+                # again; only SIGTERM stops it
+                log.error("%s (nginx keeps serving its config; asking again in %.0fs)", exc, REFUSED_RETRY_S)
+                self.stopping.wait(REFUSED_RETRY_S)
             except ConnectionError as exc:
                 log.warning("gateway %s: %s (nginx %s)", self.id, exc,
                             "keeps serving" if self.nginx.pid() else "not started")
@@ -249,4 +259,13 @@ def gateway_command(ctx: click.Context, control_url: str | None, member_id: str,
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     click.echo(f"kvgate gateway {member_id}: control plane {url}, nginx prefix {sup.nginx.prefix}", err=True)
+    from urllib.parse import urlsplit
+
+    from ..policy.model import is_loopback_listen
+
+    parts = urlsplit(url)
+    if parts.scheme == "http" and not is_loopback_listen(f"{parts.hostname}:{parts.port or 80}"):
+        click.echo(f"warning: the admin token goes to {url} in plain HTTP, and the Batch API's requests "
+                   "(with tenants' keys) too: serve the control plane over HTTPS beyond one host "
+                   "(control.tls, docs/tls.md)", err=True)
     sys.exit(sup.run())

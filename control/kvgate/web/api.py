@@ -61,7 +61,7 @@ from flask import Blueprint, Response, jsonify, redirect, request
 
 from ..control.report import check_report
 from ..fleet.events import EventKind
-from .auth import require_token
+from .auth import bearer, is_token, require_token
 from .errors import json_error
 from .state import services
 
@@ -318,6 +318,12 @@ def gateways():
 
 @bp.get("/gateways/<member_id>/config")
 def gateway_config(member_id: str):
+    # the admin token always (control.public_reads or not): the answer is the whole policy text,
+    # and a long poll holds a server thread
+    given = bearer()
+    if given is None or not is_token(given):
+        return json_error(401, "missing or wrong admin token: a gateway's config is for its supervisor "
+                          "(`kvgate gateway --token-file`)", "authentication_error", "invalid_token")
     registry = services().gateways
     try:
         wait = float(request.args.get("wait", 0) or 0)
