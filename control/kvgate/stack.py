@@ -307,6 +307,10 @@ class Stack:
             except OSError:
                 pass
             time.sleep(0.05)
+        # a daemonized redis writes its pid file once it listens: none means it exited (a port
+        # that a connect() found closed but bind() found taken, e.g. by an outgoing connection)
+        raise StackError(f"{name}: did not start: {_exit_reason(self.logs / log_name, 0)} "
+                         f"(see {self.logs / log_name})")
 
     def _start_sentinel_set(self, policy: Policy, master_result: str) -> str:
         """With ``redis.sentinels`` (and ``managed``): one replica of the master at PORT+1 and one

@@ -196,6 +196,28 @@ def control_fleet(tmp_path: Path) -> Iterator[Callable[..., Fleet]]:
     yield from _fleets(tmp_path)
 
 
+def redis_port_pair() -> int:
+    """A Redis port whose next port is free too (a local Sentinel set puts its replica there),
+    below the kernel's ephemeral range (32768-60999 here), so no outgoing connection takes the
+    replica's port between this check and its start."""
+    import random
+    import socket
+
+    rnd = random.Random()
+    for _ in range(200):
+        port = rnd.randrange(20000, 32000, 2)
+        ok = True
+        for p in (port, port + 1):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+        if ok:
+            return port
+    return free_port()
+
+
 def _fleets(base: Path) -> Iterator[Callable[..., Fleet]]:
     """The factory behind both fixtures; stops every fleet it started when resumed."""
     fleets: list[Fleet] = []
@@ -203,7 +225,7 @@ def _fleets(base: Path) -> Iterator[Callable[..., Fleet]]:
     def make(n: int = 3, start: int | None = None, template: Callable[..., str] = default_template,
              external: dict[str, str] | None = None, **kw: Any) -> Fleet:
         fleet = Fleet(tmp=base, run_dir=base / f"run{len(fleets)}", policy_path=base / f"policy{len(fleets)}.yaml",
-                      gateway_port=free_port(), redis_port=free_port(), control_port=free_port(),
+                      gateway_port=free_port(), redis_port=redis_port_pair(), control_port=free_port(),
                       node_ports={f"n{i + 1}": free_port() for i in range(n)}, template=template, kw=kw,
                       external=dict(external or {}))
         fleets.append(fleet)
