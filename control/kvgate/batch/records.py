@@ -136,7 +136,7 @@ def save_new(r: redis.Redis, rec: Mapping[str, str]) -> None:
     """Write a new batch record and index it (tenant list, open set) in one MULTI/EXEC."""
     with r.pipeline(transaction=True) as p:
         p.hset(batch_key(rec["id"]), mapping=dict(rec))
-        p.zadd(tenant_batches_key(rec["tenant"]), {rec["id"]: int(rec["created_at"]) * 1000 + _ms()})
+        p.zadd(tenant_batches_key(rec["tenant"]), {rec["id"]: _order_score(int(rec["created_at"]))})
         p.zadd(OPEN, {rec["id"]: int(rec["expires_at"])})
         p.execute()
 
@@ -144,6 +144,19 @@ def save_new(r: redis.Redis, rec: Mapping[str, str]) -> None:
 def _ms() -> int:
     # sub-second order of batches created in the same second (the list is newest first)
     return int(time.time() * 1000) % 1000
+
+
+_last_score = 0
+
+
+def _order_score(created_at_s: int) -> int:
+    """A batch's score in its tenant's list (ms): created_at and the sub-second time, strictly
+    above the last one this process gave, so two batches created in one millisecond keep their
+    creation order (a tie would order them by their random ids)."""
+    global _last_score
+    score = max(created_at_s * 1000 + _ms(), _last_score + 1)
+    _last_score = score
+    return score
 
 
 def load(r: redis.Redis, batch_id: str) -> dict[str, str] | None:
